@@ -1,0 +1,26 @@
+"""mpcomm: collective communication over MPI (mpi4py) for numpy and CuPy buffers, and training engines on it."""
+from __future__ import annotations
+
+from .buffers import AVG, MAX, MIN, PROD, SUM
+from .comm import Communicator
+from .cuda import cuda_aware
+from .mesh import ParallelConfig, ParallelMesh
+from .errors import CollectiveMismatchError, CommTimeoutError, ConfigError, MpcommError
+from .work import Work
+
+__all__ = [
+    "Communicator",
+    "Work",
+    "ParallelMesh",
+    "ParallelConfig",
+    "SUM",
+    "PROD",
+    "MIN",
+    "MAX",
+    "AVG",
+    "MpcommError",
+    "CommTimeoutError",
+    "CollectiveMismatchError",
+    "ConfigError",
+    "cuda_aware",
+]

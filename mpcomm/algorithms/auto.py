@@ -1,0 +1,288 @@
+"""Adaptive algorithm choice: a measured calibration table when there is one, else an alpha-beta cost model.
+
+The choice depends on (operation, message bytes, dtype) and on the communicator's shape (``Layout``: size and
+the ranks of every node). All of these are the same on every rank, and a tuned table is decided on rank 0
+and broadcast (``mpcomm.tuning``), so ranks never choose differently.
+
+With a table, the algorithm measured fastest at the nearest measured size (on a log scale) is taken; the
+table is only used for the layout it was measured on. Without one, ``CostModel`` predicts the time of each
+candidate and the cheapest wins. The model is a textbook alpha-beta-gamma model; its constants are rough
+defaults, not measurements, so treat its choices (and ``crossovers``) as the model's opinion: run
+``Communicator.tune()`` on the real machine to replace them by measured choices.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TABLE_FORMAT = "mpcomm-tuning/1"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape of a communicator: its size and the number of ranks on each node (in node-leader rank order)."""
+
+    size: int
+    node_sizes: tuple[int, ...]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_sizes)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.node_sizes)) == 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks per node (the largest node when nodes differ)."""
+        return max(self.node_sizes)
+
+    @classmethod
+    def of(cls, comm) -> "Layout":
+        """The layout of a Communicator (collective: every rank must call)."""
+        sizes = comm.mpi.allgather(comm.node_size if comm.node_rank == 0 else 0)
+        return cls(comm.size, tuple(s for s in sizes if s))
+
+    @classmethod
+    def blocks(cls, size: int, ranks_per_node: int) -> "Layout":
+        """Consecutive blocks of ``ranks_per_node`` ranks (the last node may be smaller)."""
+        full, rest = divmod(size, ranks_per_node)
+        return cls(size, (ranks_per_node,) * full + ((rest,) if rest else ()))
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "node_sizes": list(self.node_sizes)}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted seconds of each algorithm: Hockney's alpha-beta model plus a gamma reduction term
+    (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009 for the ring).
+
+    A message of m bytes costs ``alpha + m * beta`` inside a node and ``alpha + alpha_net + m * beta_net``
+    between nodes; reducing m bytes costs ``m * gamma``. When all q ranks of a node send across the network
+    in the same round (flat recursive halving does this), they share the node's link, so that round costs
+    ``q * m * beta_net``. ``alpha_py`` is one step of an mpcomm algorithm (Python loop + MPI call + numpy),
+    ``alpha_native`` one step inside the MPI library. The pipelined ring sends each reduce-scatter step as
+    ``SEGMENT_BYTES`` segments, ``alpha_segment`` each (measured ~11 us here), and overlaps the reduction of
+    one with the transfer of the next: per step ``chunk * max(beta, gamma)`` plus one segment's smaller term.
+
+    Defaults are rough guesses for a shared-memory node and a 100 Gb/s-class network, not measurements.
+    """
+
+    alpha_py: float = 25e-6
+    alpha_native: float = 3e-6
+    alpha_segment: float = 10e-6
+    alpha_net: float = 2e-6
+    beta: float = 1 / 5e9
+    beta_net: float = 1 / 10e9
+    gamma: float = 1 / 8e9
+
+    # -------------------------------------------------------------- building blocks
+    def _link(self, crosses: bool, alpha: float) -> tuple[float, float]:
+        return (alpha + self.alpha_net, self.beta_net) if crosses else (alpha, self.beta)
+
+    def ring(self, n: float, p: int, crosses: bool, alpha: float, segment: float | None = None) -> float:
+        """Ring reduce-scatter + all-gather over p ranks (each step crosses the network if ``crosses``)."""
+        a, b = self._link(crosses, alpha)
+        chunk = n / p
+        gather = (p - 1) * (a + chunk * b)
+        if segment is None:
+            return gather + (p - 1) * (a + chunk * (b + self.gamma))
+        pieces = max(1, math.ceil(chunk / segment))
+        overlapped = chunk * max(b, self.gamma) + min(chunk, segment) * min(b, self.gamma)
+        step = a + (pieces - 1) * self.alpha_segment + overlapped
+        return gather + (p - 1) * step
+
+    def rhd(self, n: float, layout: Layout, alpha: float) -> float:
+        """Recursive halving + doubling over the largest power of two, with the fold for the remainder."""
+        p, q = layout.size, layout.ranks_per_node
+        p2 = 1 << (p.bit_length() - 1)
+        total = 0.0 if p2 == p else 2 * (alpha + n * self.beta) + n * self.gamma
+        distance, part = p2 // 2, n / 2
+        while distance >= 1:  # halving round at this distance exchanges `part` bytes; doubling mirrors it
+            crosses = layout.num_nodes > 1 and distance >= q
+            a, b = self._link(crosses, alpha)
+            total += 2 * (a + part * b * (q if crosses else 1)) + part * self.gamma
+            distance, part = distance // 2, part / 2
+        return total
+
+    def tree(self, n: float, layout: Layout) -> float:
+        """Binomial reduce to rank 0 then binomial broadcast: every round moves the whole vector."""
+        total, mask = 0.0, 1
+        while mask < layout.size:
+            a, b = self._link(layout.num_nodes > 1 and mask >= layout.ranks_per_node, self.alpha_py)
+            total += 2 * (a + n * b) + n * self.gamma
+            mask <<= 1
+        return total
+
+    def hierarchical(self, n: float, layout: Layout) -> float:
+        q, nodes = layout.ranks_per_node, layout.num_nodes
+        if layout.uniform:  # ring inside the node; q peer groups each all-reduce n/q bytes, sharing the link
+            inner = self.ring(n, q, False, self.alpha_py) if q > 1 else 0.0
+            return inner + self._across(n / q, nodes, q)
+        return self.tree(n, Layout(q, (q,))) + self._across(n, nodes, 1)  # leader variant
+
+    def _across(self, n: float, nodes: int, sharing: int) -> float:
+        """rhd all-reduce of n bytes among one rank per node, ``sharing`` such groups per link at once."""
+        if nodes == 1:
+            return 0.0
+        a, b = self._link(True, self.alpha_py)
+        rounds = math.ceil(math.log2(nodes))
+        return 2 * rounds * a + 2 * (nodes - 1) / nodes * n * b * sharing + (nodes - 1) / nodes * n * self.gamma
+
+    # -------------------------------------------------------------- per collective
+    def allreduce(self, algorithm: str, nbytes: int, layout: Layout) -> float:
+        p, n = layout.size, float(nbytes)
+        if p == 1:
+            return 0.0
+        crosses = layout.num_nodes > 1
+        if algorithm == "ring":
+            return self.ring(n, p, crosses, self.alpha_py)
+        if algorithm == "ring_pipelined":
+            from .pipelined import SEGMENT_BYTES
+
+            return self.ring(n, p, crosses, self.alpha_py, segment=SEGMENT_BYTES)
+        if algorithm == "rhd":
+            return self.rhd(n, layout, self.alpha_py)
+        if algorithm == "tree":
+            return self.tree(n, layout)
+        if algorithm == "hierarchical":
+            return self.hierarchical(n, layout)
+        if algorithm == "native":  # MPICH's large-message allreduce is Rabenseifner's rhd, run in C
+            return self.rhd(n, layout, self.alpha_native)
+        return math.inf
+
+    def collective(self, operation: str, algorithm: str, nbytes: int, layout: Layout) -> float:
+        if operation == "allreduce":
+            return self.allreduce(algorithm, nbytes, layout)
+        p = layout.size
+        if p == 1:
+            return 0.0
+        alpha = self.alpha_native if algorithm == "native" else self.alpha_py
+        a, b = self._link(layout.num_nodes > 1, alpha)
+        lg = math.ceil(math.log2(p))
+        steps = {"ring": p - 1, "ring_pipelined": p - 1, "rhd": lg, "tree": lg, "native": lg}
+        if algorithm not in steps:
+            return math.inf
+        moved = nbytes * (lg if operation == "broadcast" and algorithm == "tree" else (p - 1) / p)
+        reduce = (p - 1) / p * nbytes * self.gamma if operation == "reduce_scatter" else 0.0
+        return steps[algorithm] * a + moved * b + reduce
+
+
+@dataclass
+class Selector:
+    """Chooses an algorithm per (operation, bytes, dtype) for one communicator layout."""
+
+    layout: Layout
+    candidates: dict[str, tuple[str, ...]]
+    model: CostModel = field(default_factory=CostModel)
+    table: dict | None = None  # a tuning table (see mpcomm.tuning) measured on this layout
+    _decided: dict = field(default_factory=dict, init=False, repr=False)  # (operation, bytes, dtype) -> name
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    @classmethod
+    def default(cls, comm) -> "Selector":
+        """The model-based selector for a Communicator (collective: computes the node layout)."""
+        from . import REGISTRY
+
+        return cls(layout=Layout.of(comm), candidates={op: tuple(algs) for op, algs in REGISTRY.items()})
+
+    def choose(self, operation: str, nbytes: int, dtype) -> str:
+        """The algorithm for this call; decisions are remembered, so a training loop pays for each once."""
+        key = (operation, nbytes, dtype)
+        name = self._decided.get(key)
+        if name is None:
+            name = self._measured(operation, nbytes, np.dtype(dtype)) or self.predict(operation, nbytes)
+            if len(self._decided) > 4096:  # a sweep over many sizes: keep the memo small
+                self._decided.clear()
+            self._decided[key] = name
+        return name
+
+    def predict(self, operation: str, nbytes: int, candidates=None) -> str:
+        """The cost model's choice."""
+        names = candidates or self.candidates[operation]
+        costs = {a: self.model.collective(operation, a, nbytes, self.layout) for a in names}
+        return min(costs, key=costs.get)
+
+    # -------------------------------------------------------------- calibration table
+    def load(self, table: dict, source: str = "tuning table") -> bool:
+        """Use ``table`` for later choices if it was measured on this layout; else warn and keep the old one."""
+        problem = self._incompatible(table)
+        if problem:
+            warnings.warn(f"mpcomm: ignoring {source}: {problem}", RuntimeWarning, stacklevel=3)
+            return False
+        self.table = table
+        self._decided.clear()
+        return True
+
+    def _incompatible(self, table: dict) -> str | None:
+        if not isinstance(table, dict) or table.get("format") != TABLE_FORMAT:
+            return f"not a tuning table (format {TABLE_FORMAT!r} expected)"
+        if table.get("layout") != self.layout.to_json():
+            return f"it was measured on layout {table.get('layout')}, this communicator is {self.layout.to_json()}"
+        for operation, by_dtype in table.get("operations", {}).items():
+            for entry in by_dtype.values():
+                unknown = set(entry["best"]) - set(self.candidates.get(operation, ()))
+                if unknown:
+                    return f"{operation} names algorithms this mpcomm does not have: {sorted(unknown)}"
+        return None
+
+    def _measured(self, operation: str, nbytes: int, dtype: np.dtype) -> str | None:
+        if self.table is None:
+            return None
+        by_dtype = self.table["operations"].get(operation)
+        if not by_dtype:
+            return None
+        key = str(dtype) if str(dtype) in by_dtype else min(
+            by_dtype, key=lambda name: abs(np.dtype(name).itemsize - dtype.itemsize)
+        )
+        entry = by_dtype[key]
+        where = np.log2(max(nbytes, 1))
+        nearest = min(range(len(entry["sizes"])), key=lambda i: abs(np.log2(entry["sizes"][i]) - where))
+        return entry["best"][nearest]
+
+
+# ------------------------------------------------------------------ the model's predictions, for the README
+def crossovers(
+    ranks=(64, 128, 256, 512, 1024, 2048, 4096),
+    ranks_per_node: int = 8,
+    algorithms=("ring", "ring_pipelined", "rhd", "tree", "hierarchical"),
+    model: CostModel | None = None,
+    sizes=tuple(1 << k for k in range(3, 31)),
+) -> dict[int, list[tuple[int, str]]]:
+    """For each communicator size, the all-reduce algorithm the model prefers and the size it starts at:
+    ``{p: [(from_bytes, algorithm), ...]}``. ``native`` is left out by default (the model runs it at C speed)."""
+    model = model or CostModel()
+    out = {}
+    for p in ranks:
+        selector = Selector(Layout.blocks(p, ranks_per_node), {"allreduce": tuple(algorithms)}, model)
+        regions: list[tuple[int, str]] = []
+        for nbytes in sizes:
+            best = selector.predict("allreduce", nbytes)
+            if not regions or regions[-1][1] != best:
+                regions.append((nbytes, best))
+        out[p] = regions
+    return out
+
+
+def print_crossovers(**kwargs) -> None:
+    """Print ``crossovers`` as a table (one line per communicator size)."""
+    rpn = kwargs.get("ranks_per_node", 8)
+    print(f"cost-model all-reduce choice by message size ({rpn} ranks per node; model defaults, not measured)")
+    for p, regions in crossovers(**kwargs).items():
+        print(f"p={p:5d}: " + "  ".join(f"{_human(b)}+ {a}" for b, a in regions))
+
+
+def _human(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):g}{unit}"
+    return f"{nbytes}B"
+

@@ -1,0 +1,76 @@
+"""Pipelined (segmented) ring: every reduce-scatter step is cut into segments so that reducing segment k
+overlaps the transfer of segment k+1 (the technique of NCCL's ring, Patarasuk & Yuan's ring with slicing).
+
+The ring schedule itself is ``ring.reduce_scatter_chunks``; only the step differs. A step sends the
+partial chunk right and receives the left neighbour's partial of the chunk this rank adds to, in
+``segments`` messages of ``SEGMENT_BYTES``::
+
+    post receive+send of segment 0
+    for k in 0..segments-1:
+        post receive+send of segment k+1      (into the other half of a double buffer)
+        wait for segment k
+        target[k] <- local[k] (op) received[k]   (while segment k+1 is on the wire)
+
+The all-gather phase has no arithmetic to hide, so it is the plain ring's. The segment length is a fixed
+number of elements, the same for every chunk, so sender and receiver agree on the messages even when
+chunk sizes differ by one (the last segments of a short chunk may be short or empty).
+
+How much the overlap buys depends on the MPI library making progress while this process computes:
+MPICH moves large shared-memory messages inside MPI calls, so on one host the overlap is partial and part
+of the gain is cache locality (a 1 MiB segment is reduced while still in cache); networks with RDMA
+overlap fully. On one host it beats the plain ring at tens of MiB and ties at a few MiB; oversubscribed
+ranks (more ranks than cores) make every extra message a scheduling round trip, and it loses.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from ..buffers import ReduceOp
+from ..transport import Transport
+from . import ring
+from .chunks import chunk_bounds, equal_bounds
+
+# Measured on a 2-core host (MPICH shm, p=2, 64 MiB float32): 16 KiB segments 1.9 GB/s busbw, 64 KiB 4.3,
+# 256 KiB 5.9, 1 MiB 6.2, 4 MiB 5.3, plain ring 4.5. Each segment costs ~11 us of Python + MPI calls.
+SEGMENT_BYTES = 1 << 20
+
+
+def segmented_step(t: Transport, to_send, local, target, op: ReduceOp, seg: int, segments: int) -> None:
+    """One ring step in ``segments`` messages of ``seg`` elements, reducing one while the next is in flight."""
+    p, r = t.size, t.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    halves = t.scratch("pipelined.recv", 2 * seg, local.dtype, like=local)
+
+    def piece(array, k):
+        return array[min(k * seg, array.size) : min((k + 1) * seg, array.size)]
+
+    def post(k):
+        received = halves[(k % 2) * seg :][: piece(local, k).size]
+        return received, [t.irecv(received, left), t.isend(piece(to_send, k), right)]
+
+    pending = post(0)
+    for k in range(segments):
+        received, requests = pending
+        if k + 1 < segments:
+            pending = post(k + 1)
+        t.wait(requests, (left, right), (received.nbytes, None))
+        op(piece(local, k), received, out=piece(target, k))
+
+
+def reduce_scatter_chunks(t: Transport, src, out, op: ReduceOp, bounds, segment_bytes: int | None = None) -> None:
+    """``ring.reduce_scatter_chunks`` with every step segmented (same arguments and result)."""
+    largest = max(stop - start for start, stop in bounds)
+    seg = max(1, (segment_bytes or SEGMENT_BYTES) // src.itemsize)
+    segments = max(1, -(-largest // seg))
+    step = partial(segmented_step, seg=seg, segments=segments)
+    ring.reduce_scatter_chunks(t, src, out, op, bounds, step=step)
+
+
+def allreduce(t: Transport, buf, op: ReduceOp) -> None:
+    bounds = chunk_bounds(buf.size, t.size)
+    reduce_scatter_chunks(t, buf, buf[slice(*bounds[t.rank])], op, bounds)
+    ring.all_gather_chunks(t, buf, bounds)
+
+
+def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
+    reduce_scatter_chunks(t, sendbuf, recvbuf, op, equal_bounds(recvbuf.size, t.size))

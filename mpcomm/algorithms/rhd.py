@@ -1,0 +1,120 @@
+"""Recursive halving / doubling (Rabenseifner; Thakur, Rabenseifner & Gropp 2005).
+
+Reduce-scatter by recursive halving (log2 p rounds, halving the exchanged data each round), then
+all-gather by recursive doubling. For p not a power of two the standard fold-in is used: of the first
+2*rem ranks (rem = p - 2^floor(log2 p)), each even rank hands its data to the odd rank above it and
+sits out; the 2^k remaining ranks run the power-of-two algorithm on "blocks" that cover the chunks of
+both partners; at the end the odd ranks hand the result back.
+"""
+from __future__ import annotations
+
+from ..buffers import ReduceOp
+from ..transport import Transport
+from .chunks import chunk_bounds, equal_bounds
+
+
+class _Fold:
+    """The power-of-two sub-group: this rank's index in it (None if folded away) and the rank map."""
+
+    def __init__(self, p: int, rank: int):
+        self.p2 = 1 << (p.bit_length() - 1)
+        self.rem = p - self.p2
+        if rank < 2 * self.rem:
+            self.vrank = rank // 2 if rank % 2 else None
+        else:
+            self.vrank = rank - self.rem
+
+    def real(self, vrank: int) -> int:
+        return 2 * vrank + 1 if vrank < self.rem else vrank + self.rem
+
+    def chunks_of(self, vrank: int) -> range:
+        """Which of the p original chunks virtual rank ``vrank`` is responsible for."""
+        first = 2 * vrank if vrank < self.rem else vrank + self.rem
+        return range(first, first + (2 if vrank < self.rem else 1))
+
+    def blocks(self, bounds) -> list[tuple[int, int]]:
+        """Element range of each virtual rank's block, from the p original chunk bounds."""
+        return [(bounds[c[0]][0], bounds[c[-1]][1]) for c in map(self.chunks_of, range(self.p2))]
+
+
+def _span(blocks, lo: int, hi: int) -> slice:
+    return slice(blocks[lo][0], blocks[hi - 1][1])
+
+
+def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks) -> None:
+    """In place on the virtual group: afterwards ``buf[blocks[vrank]]`` holds its fully reduced block."""
+    vrank, lo, hi = fold.vrank, 0, fold.p2
+    incoming = t.scratch("rhd.recv", buf.size, buf.dtype, like=buf)
+    mask = fold.p2 // 2
+    while mask:
+        mid = (lo + hi) // 2
+        keep, give = ((lo, mid), (mid, hi)) if not vrank & mask else ((mid, hi), (lo, mid))
+        kept = buf[_span(blocks, *keep)]
+        received = incoming[: kept.size]
+        t.sendrecv(buf[_span(blocks, *give)], fold.real(vrank ^ mask), received, fold.real(vrank ^ mask))
+        op(kept, received, out=kept)
+        lo, hi = keep
+        mask //= 2
+
+
+def doubling_all_gather(t: Transport, fold: _Fold, buf, blocks) -> None:
+    """In place on the virtual group: each holds ``buf[blocks[vrank]]``; afterwards all hold every block."""
+    vrank, lo, hi = fold.vrank, fold.vrank, fold.vrank + 1
+    mask = 1
+    while mask < fold.p2:
+        partner = fold.real(vrank ^ mask)
+        other = (lo - mask, lo) if vrank & mask else (hi, hi + mask)
+        t.sendrecv(buf[_span(blocks, lo, hi)], partner, buf[_span(blocks, *other)], partner)
+        lo, hi = min(lo, other[0]), max(hi, other[1])
+        mask <<= 1
+
+
+def allreduce(t: Transport, buf, op: ReduceOp) -> None:
+    fold = _Fold(t.size, t.rank)
+    if fold.vrank is None:  # even rank of a folded pair: hand the data over, get the result back
+        t.send(buf, t.rank + 1)
+        t.recv(buf, t.rank + 1)
+        return
+    if t.rank < 2 * fold.rem:
+        incoming = t.scratch("rhd.fold", buf.size, buf.dtype, like=buf)
+        t.recv(incoming, t.rank - 1)
+        op(buf, incoming, out=buf)
+    blocks = chunk_bounds(buf.size, fold.p2)
+    halving_reduce_scatter(t, fold, buf, op, blocks)
+    doubling_all_gather(t, fold, buf, blocks)
+    if t.rank < 2 * fold.rem:
+        t.send(buf, t.rank - 1)
+
+
+def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
+    fold = _Fold(t.size, t.rank)
+    bounds = equal_bounds(recvbuf.size, t.size)
+    if fold.vrank is None:
+        t.send(sendbuf, t.rank + 1)
+        t.recv(recvbuf, t.rank + 1)
+        return
+    work = t.scratch("rhd.work", sendbuf.size, sendbuf.dtype, like=sendbuf)
+    work[...] = sendbuf
+    if t.rank < 2 * fold.rem:
+        incoming = t.scratch("rhd.fold", sendbuf.size, sendbuf.dtype, like=sendbuf)
+        t.recv(incoming, t.rank - 1)
+        op(work, incoming, out=work)
+    halving_reduce_scatter(t, fold, work, op, fold.blocks(bounds))
+    if t.rank < 2 * fold.rem:
+        t.send(work[slice(*bounds[t.rank - 1])], t.rank - 1)
+    recvbuf[...] = work[slice(*bounds[t.rank])]
+
+
+def all_gather(t: Transport, sendbuf, recvbuf) -> None:
+    fold = _Fold(t.size, t.rank)
+    bounds = equal_bounds(sendbuf.size, t.size)
+    if fold.vrank is None:
+        t.send(sendbuf, t.rank + 1)
+        t.recv(recvbuf, t.rank + 1)
+        return
+    recvbuf[slice(*bounds[t.rank])] = sendbuf
+    if t.rank < 2 * fold.rem:
+        t.recv(recvbuf[slice(*bounds[t.rank - 1])], t.rank - 1)
+    doubling_all_gather(t, fold, recvbuf, fold.blocks(bounds))
+    if t.rank < 2 * fold.rem:
+        t.send(recvbuf, t.rank - 1)

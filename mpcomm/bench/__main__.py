@@ -1,0 +1,4 @@
+"""``python -m mpcomm.bench ...`` (same as ``mpcomm-bench``)."""
+from .cli import main
+
+main()

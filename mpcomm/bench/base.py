@@ -1,0 +1,215 @@
+"""What every benchmarked collective shares: exact test inputs, the reference reduction, the check.
+
+Inputs are small integers (in the benchmark's dtype) chosen so that every reduction is exact in that dtype
+for any summation order: then every correct algorithm gives *bitwise* the numpy reference computed here in
+float64/int64, independently of mpcomm's own code (as nccl-tests does with its integer-valued data).
+Each rank can regenerate any rank's input from ``(seed, rank)``, so the reference needs no communication.
+"""
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+# Largest integer every value up to which is exact in the dtype (floats) or fits it (integers).
+_EXACT = {
+    np.dtype(np.float16): 2**11,
+    BFLOAT16: 2**8,
+    np.dtype(np.float32): 2**24,
+    np.dtype(np.float64): 2**53,
+    np.dtype(np.complex64): 2**24,
+    np.dtype(np.complex128): 2**53,
+}
+# Largest power of two the dtype holds (for products of ±1 and 2).
+_POW2 = {np.dtype(np.float16): 2**15, BFLOAT16: 2**127, np.dtype(np.float32): 2**127,
+         np.dtype(np.complex64): 2**127}
+
+
+def kind(dtype) -> str:
+    """numpy's kind letter, with ml_dtypes' bfloat16 (kind 'V') counted as a float."""
+    dtype = np.dtype(dtype)
+    return "f" if dtype == BFLOAT16 else dtype.kind
+
+
+def exact_limit(dtype: np.dtype) -> int:
+    dtype = np.dtype(dtype)
+    if dtype in _EXACT:
+        return _EXACT[dtype]
+    return int(np.iinfo(dtype).max)
+
+
+def rank_input(rank: int, count: int, dtype, redop: str, p: int, seed: int = 1234) -> np.ndarray:
+    """Rank ``rank``'s deterministic input: values whose ``redop`` over ``p`` ranks is exact in ``dtype``."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng([seed, rank, count])
+    if dtype == np.bool_:
+        return rng.integers(0, 2, count).astype(np.bool_)
+    unsigned = kind(dtype) == "u"
+    if redop == "prod":
+        limit = _POW2.get(dtype, 2**1023) if kind(dtype) in "fc" else exact_limit(dtype)
+        choices = ([1, 2] if unsigned else [-1, 1, 2]) if 2**p < limit else ([1] if unsigned else [-1, 1])
+        values = rng.choice(np.array(choices, dtype=np.int64), count)
+    else:
+        if redop in ("sum", "avg"):
+            r = max(1, min(1000, (exact_limit(dtype) - 1) // p))
+        else:  # min / max / no reduction
+            r = min(100, exact_limit(dtype) - 1)
+        values = rng.integers(0 if unsigned else -r, r + 1, count, dtype=np.int64)
+    if kind(dtype) == "c":
+        imag = rng.integers(-1, 2, count, dtype=np.int64) if redop == "prod" else values[::-1]
+        return (values + 1j * imag).astype(dtype)
+    if kind(dtype) == "f":
+        return values.astype(np.float64).astype(dtype)
+    return values.astype(dtype)
+
+
+def reference_reduce(inputs, dtype, redop: str) -> np.ndarray:
+    """numpy reduction of ``inputs`` (an iterable of arrays, one per rank) in float64/complex128/int64.
+
+    The inputs make every result exact, so this equals any correct reduction order; for "avg" the exact
+    sum is divided by p once in ``dtype`` (numpy's complex division is not correctly rounded, so dividing
+    in complex128 and rounding would differ from a library that divides in complex64 by 1 ulp).
+    """
+    dtype = np.dtype(dtype)
+    acc_dtype = {"f": np.float64, "c": np.complex128, "i": np.int64, "u": np.uint64, "b": np.bool_}[kind(dtype)]
+    ufunc = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[redop]
+    acc = None
+    p = 0
+    for array in inputs:
+        p += 1
+        array = array.astype(acc_dtype)
+        acc = array if acc is None else ufunc(acc, array, out=acc)
+    if redop == "avg":  # the exact sum, divided once in the dtype itself (numpy's division for that dtype)
+        return acc.astype(dtype) / np.array(p, dtype=dtype)
+    return acc.astype(dtype)
+
+
+def sentinel_like(expected: np.ndarray) -> np.ndarray:
+    """An array that differs from ``expected`` in every element (so an unwritten output counts as wrong)."""
+    dtype = expected.dtype
+    if dtype == np.bool_:
+        return ~expected
+    if kind(dtype) in "fc":
+        return np.full_like(expected, np.nan)
+    info = np.iinfo(dtype)
+    # exact inputs never reach the extreme values (see rank_input), so these are never a correct result
+    return np.full_like(expected, info.min if kind(dtype) == "i" else info.max)
+
+
+def count_wrong(result: np.ndarray, expected: np.ndarray) -> int:
+    """Elements of ``result`` not equal to ``expected`` (by value: +0 == -0, NaN matches only NaN).
+
+    Values, not bytes: the sign of a zero legitimately depends on the order of a reduction (e.g. a complex
+    product's imaginary part). Ranks are compared bitwise separately (``digest``).
+    """
+    if result.shape != expected.shape:
+        return max(result.size, expected.size)
+    if result.size == 0:
+        return 0
+    if result.dtype == BFLOAT16:
+        result, expected = result.astype(np.float32), expected.astype(np.float32)
+    same = result == expected
+    if kind(result.dtype) in "fc":
+        same |= np.isnan(result) & np.isnan(expected)
+    return int(result.size - np.count_nonzero(same))
+
+
+def digest(array: np.ndarray) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(array).view(np.uint8).tobytes(), digest_size=16).digest()
+
+
+class Collective(ABC):
+    """One benchmark case: a collective at one (count, dtype, redop) on one communicator.
+
+    Subclasses (one small file each) say how to allocate and refill their buffers, how to run one call of
+    an algorithm, which array is the result and what it should be. The driver does everything else.
+    """
+
+    name = ""
+    reduces = True     # takes a reduction op
+    per_rank_count = False   # "count" is elements per rank and "size" the full buffer (reduce_scatter, all_gather)
+    replicated = True  # every rank ends with the same result (checked bitwise across ranks)
+
+    @staticmethod
+    @abstractmethod
+    def busbw_factor(p: int) -> float:
+        """nccl-tests' bus-bandwidth factor for p ranks."""
+
+    @classmethod
+    def algorithms(cls) -> list[str]:
+        """The algorithm names the library has registered for this operation, plus "auto"."""
+        from ..algorithms import REGISTRY
+
+        return list(REGISTRY.get(cls.name, {})) + ["auto"]
+
+    @classmethod
+    def layout(cls, nbytes: int, itemsize: int, p: int) -> tuple[int, int]:
+        """(count, size in bytes) for a requested size, as nccl-tests defines them for this operation."""
+        if cls.per_rank_count:
+            count = max(1, nbytes // (itemsize * p))
+            return count, count * itemsize * p
+        count = max(1, nbytes // itemsize)
+        return count, count * itemsize
+
+    def __init__(self, comm, count: int, dtype, redop: str, root: int = 0, seed: int = 1234):
+        self.comm, self.count, self.dtype, self.redop, self.root, self.seed = comm, count, np.dtype(dtype), redop, root, seed
+        self.p, self.rank = comm.size, comm.rank
+        self._expected = None
+        self.setup()
+
+    # -- helpers for subclasses
+    def input_of(self, rank: int, count: int | None = None) -> np.ndarray:
+        return rank_input(rank, self.count if count is None else count, self.dtype,
+                          self.redop if self.reduces else "none", self.p, self.seed)
+
+    def expected(self) -> np.ndarray:
+        if self._expected is None:
+            self._expected = self.compute_expected()
+        return self._expected
+
+    # -- what subclasses define
+    @abstractmethod
+    def setup(self) -> None:
+        """Allocate the buffers and fill the inputs."""
+
+    @abstractmethod
+    def step(self, algorithm: str) -> None:
+        """One call of the collective with ``algorithm``."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Restore the inputs and poison the outputs, before the checked call."""
+
+    @abstractmethod
+    def result(self) -> np.ndarray:
+        """The array the checked call wrote."""
+
+    @abstractmethod
+    def compute_expected(self) -> np.ndarray:
+        """The reference result, from numpy on every rank's inputs."""
+
+    def close(self) -> None:
+        """Release what ``setup`` acquired beyond memory (e.g. a private MPI communicator)."""
+
+    # -- the check, used by the driver
+    def check(self, algorithm: str) -> tuple[int, bool | None]:
+        """Run once on fresh inputs: (wrong elements summed over ranks, whether the result is bitwise equal on
+        all ranks; None where results differ per rank by design)."""
+        self.reset()
+        self.step(algorithm)
+        result = self.result()
+        wrong = count_wrong(result, self.expected())
+        world = self.comm.mpi
+        total = world.allreduce(wrong, op=MPI.SUM)
+        identical = self.identical_across_ranks(result) if self.replicated else None
+        return total, identical
+
+    def identical_across_ranks(self, result: np.ndarray) -> bool:
+        """Whether every rank holds the same bytes (only meaningful where the result is replicated)."""
+        digests = self.comm.mpi.allgather(digest(result))
+        return all(d == digests[0] for d in digests)

@@ -1,0 +1,278 @@
+"""``mpcomm-bench`` / ``python -m mpcomm.bench``: argument parsing, header, table, JSON and plot.
+
+    mpiexec -n 4 mpcomm-bench --op allreduce --algorithms ring,tree,rhd,native,auto -b 8 -e 64M -f 4 --check
+
+``run(argv)`` is the whole benchmark as a function (tests call it in-process); ``main()`` wraps it in
+``mpcomm.launch.run_main`` so that an exception on one rank aborts the job instead of hanging the others.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Sequence, TextIO
+
+import numpy as np
+from mpi4py import MPI
+
+from ..buffers import SUPPORTED_DTYPES, check_dtype_op
+from ..launch import run_main
+from .driver import COLLECTIVES, Plan, memcpy_bandwidth, sizes, sweep, tty_progress
+from .report import footer_lines, format_row, header_lines, plot, write_json
+
+REDOPS = ("sum", "prod", "min", "max", "avg")
+DTYPES = {str(d): d for d in SUPPORTED_DTYPES}
+_ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32",
+            "double": "float64", "fp64": "float64", "int": "int32", "bool_": "bool"}
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+_BUSBW_FORMULA = {"allreduce": "2(p-1)/p", "reduce_scatter": "(p-1)/p", "all_gather": "(p-1)/p",
+                  "broadcast": "1", "sendrecv": "1"}
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '64M', '1G' (binary units, an optional trailing B) -> bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)[bB]?\s*", str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected an integer with an optional K/M/G suffix")
+    value = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be at least 1 byte")
+    return value
+
+
+def _positive_int(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in str(text).split(",") if n.strip()]
+
+
+class _Parser(argparse.ArgumentParser):
+    """Prints usage, help and errors on rank 0 only (every rank parses the same argv and exits alike)."""
+
+    def _print_message(self, message, file=None):
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            super()._print_message(message, file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="mpcomm-bench",
+        description="nccl-tests style benchmark of mpcomm's collectives, one row per size and algorithm.",
+        epilog="Run under mpiexec -n P (P=1 also works without mpiexec). Sizes take K/M/G suffixes (binary).",
+    )
+    parser.add_argument("--op", default="allreduce", choices=sorted(COLLECTIVES), help="collective (default allreduce)")
+    parser.add_argument("--algorithms", type=_names, default=None,
+                        help="comma list of algorithms registered for --op, or 'auto' "
+                             "(default: all registered + auto; native is always timed as the baseline)")
+    parser.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
+    parser.add_argument("-e", "--maxbytes", type=parse_size, default=64 * 2**20, help="largest size (default 64M)")
+    parser.add_argument("-f", "--stepfactor", type=_positive_int(2), default=4, help="size multiplier (default 4)")
+    parser.add_argument("-w", "--warmup", type=_positive_int(0), default=5, help="warm-up calls, at most (default 5)")
+    parser.add_argument("-n", "--iters", type=_positive_int(1), default=20, help="timed calls, at most (default 20)")
+    parser.add_argument("--budget", type=_positive_float, default=1.0,
+                        help="seconds of timed calls per point: -n is reduced to fit (default 1.0)")
+    parser.add_argument("--dtype", type=_names, default=["float32"],
+                        help=f"comma list or 'all' of: {', '.join(DTYPES)} (default float32)")
+    parser.add_argument("--redop", type=_names, default=["sum"],
+                        help=f"comma list or 'all' of: {', '.join(REDOPS)} (default sum; ignored by non-reducing ops)")
+    parser.add_argument("--check", action="store_true",
+                        help="verify every result bitwise against a numpy reference and across ranks; count #wrong")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as a JSON list of objects")
+    parser.add_argument("--plot", metavar="FILE", help="write busbw vs size (PNG/SVG/PDF by extension; needs matplotlib)")
+    parser.add_argument("--tune", action="store_true", help="call comm.tune() first (when this build has it)")
+    parser.add_argument("--root", type=_positive_int(0), default=0, help="broadcast root (default 0)")
+    parser.add_argument("--ranks-per-node", type=_positive_int(1), default=None,
+                        help="simulate nodes of this many consecutive ranks (Communicator(ranks_per_node=...))")
+    parser.add_argument("--timeout", type=_positive_float, default=None,
+                        help="Communicator timeout in seconds (default: MPCOMM_TIMEOUT or 30)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the check inputs (default 1234)")
+    return parser
+
+
+def make_plan(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> Plan:
+    """Validate the arguments against the registry and the world; parser.error (exit 2) on a bad value."""
+    cls = COLLECTIVES[args.op]
+    available = cls.algorithms()
+    algorithms = args.algorithms if args.algorithms is not None else available
+    if not algorithms:
+        parser.error("--algorithms: give at least one algorithm")
+    for name in algorithms:
+        if name not in available:
+            parser.error(f"--algorithms: {name!r} is not registered for {args.op}; "
+                         f"available: {', '.join(available)}")
+    algorithms = list(dict.fromkeys(algorithms))
+    if args.minbytes > args.maxbytes:
+        parser.error(f"-b/--minbytes ({args.minbytes}) is larger than -e/--maxbytes ({args.maxbytes})")
+    if not 0 <= args.root < world_size:
+        parser.error(f"--root {args.root} is out of range for {world_size} rank(s)")
+
+    dtypes = list(DTYPES) if args.dtype == ["all"] else args.dtype
+    resolved = []
+    for name in dtypes:
+        key = _ALIASES.get(name.lower(), name.lower())
+        if key not in DTYPES:
+            parser.error(f"--dtype: unknown dtype {name!r}; choose from {', '.join(DTYPES)} or 'all'")
+        resolved.append(np.dtype(DTYPES[key]))
+    redops = list(REDOPS) if args.redop == ["all"] else [r.lower() for r in args.redop]
+    for name in redops:
+        if name not in REDOPS:
+            parser.error(f"--redop: unknown op {name!r}; choose from {', '.join(REDOPS)} or 'all'")
+    if not cls.reduces:
+        redops = ["none"]
+
+    combos, skipped, reasons = [], [], []
+    for dtype in resolved:
+        for redop in redops:
+            if redop != "none":
+                try:
+                    check_dtype_op(dtype, redop, args.op)
+                except TypeError as exc:
+                    skipped.append(f"{dtype}/{redop}")
+                    reasons.append(str(exc))
+                    continue
+            combos.append((dtype, redop))
+    if not combos:
+        parser.error("no supported dtype/redop combination: " + "; ".join(reasons))
+    for opt in ("json", "plot"):
+        if getattr(args, opt) == "":
+            parser.error(f"--{opt} needs a file name")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install mpcomm[plot])")
+    return Plan(
+        operation=args.op, algorithms=algorithms, sizes=sizes(args.minbytes, args.maxbytes, args.stepfactor),
+        combos=combos, warmup=args.warmup, iters=args.iters, budget=args.budget, check=args.check,
+        root=args.root, seed=args.seed, skipped=skipped,
+    )
+
+
+def run(argv: Sequence[str] | None = None, comm=None, out: TextIO | None = None) -> list[dict]:
+    """The benchmark. Returns the rows (the same on every rank); rank 0 prints and writes the files.
+
+    ``comm``: a ``mpcomm.Communicator`` to benchmark on (default: a new one over ``MPI.COMM_WORLD``).
+    """
+    from ..comm import Communicator
+
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    world = comm.mpi if comm is not None else MPI.COMM_WORLD
+    plan = make_plan(parser, args, world.Get_size())
+    owned = comm is None
+    if owned:
+        comm = Communicator(world, timeout=args.timeout, ranks_per_node=args.ranks_per_node)
+    leader = comm.rank == 0
+    out = sys.stdout if out is None else out
+
+    def emit(*lines: str) -> None:
+        if leader:
+            if progress is not None:
+                sys.stderr.write("\r\033[K")
+            for line in lines:
+                print(line, file=out)
+            out.flush()
+
+    progress = tty_progress() if leader else None
+    try:
+        if args.tune:
+            emit(tune(comm, plan))
+        cls = COLLECTIVES[plan.operation]
+        largest = max(cls.layout(s, d.itemsize, comm.size)[1] for s in plan.sizes for d, _ in plan.combos)
+        meta = describe(comm, args, plan, memcpy_bandwidth(largest, comm.mpi), largest)
+        emit(*header_lines(meta))
+        rows = sweep(comm, plan, on_rows=lambda block: emit(*map(format_row, block)), progress=progress)
+        emit(*footer_lines(rows, plan.check))
+        if leader and args.json:
+            write_json(rows, args.json)
+            emit(f"# wrote {args.json}")
+        if leader and args.plot:
+            plot(rows, args.plot, meta)
+            emit(f"# wrote {args.plot}")
+        comm.mpi.Barrier()
+    finally:
+        if owned:
+            comm.free()
+    return rows
+
+
+def tune(comm, plan: Plan) -> str:
+    """Call ``comm.tune()`` (for this operation and dtype where it takes them); returns a header line."""
+    import inspect
+
+    if not hasattr(comm, "tune"):
+        return "# --tune: this build's Communicator has no tune(); auto uses its default selector"
+    from ..algorithms import REGISTRY
+
+    if plan.operation not in REGISTRY:
+        return f"# --tune: {plan.operation} has no algorithm choice; nothing to tune"
+    wanted = {"operations": (plan.operation,), "dtype": str(plan.combos[0][0])}
+    accepted = inspect.signature(comm.tune).parameters
+    comm.tune(**{k: v for k, v in wanted.items() if k in accepted})
+    return f"# tuned: comm.tune() measured {plan.operation} ({wanted['dtype']}) for the auto selector"
+
+
+def describe(comm, args, plan: Plan, memcpy_gbps: float, memcpy_bytes: int) -> dict:
+    """The run's context: header lines and plot title."""
+    import platform
+
+    from mpi4py import __version__ as mpi4py_version
+
+    cls = COLLECTIVES[plan.operation]
+    return {
+        "operation": plan.operation,
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi4py": mpi4py_version,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "ranks": comm.size,
+        "nodes": getattr(comm, "num_nodes", 1),
+        "ranks_per_node": comm.ranks_per_node,
+        "dtypes": list(dict.fromkeys(str(d) for d, _ in plan.combos)),
+        "redops": list(dict.fromkeys(r for _, r in plan.combos)),
+        "root": plan.root,
+        "algorithms": (["native"] if "native" in cls.algorithms() and "native" not in plan.algorithms else [])
+        + plan.algorithms,
+        "native_added": "native" in cls.algorithms() and "native" not in plan.algorithms,
+        "minbytes": args.minbytes,
+        "maxbytes": args.maxbytes,
+        "stepfactor": args.stepfactor,
+        "warmup": plan.warmup,
+        "iters": plan.iters,
+        "budget": plan.budget,
+        "check": plan.check,
+        "memcpy_GBps": memcpy_gbps,
+        "memcpy_bytes": memcpy_bytes,
+        "busbw_formula": _BUSBW_FORMULA[plan.operation],
+        "skipped": plan.skipped,
+    }
+
+
+def main() -> None:
+    """Console entry point: ``run`` under mpi4py.run-like semantics (a failing rank aborts the job)."""
+    run_main(run, sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

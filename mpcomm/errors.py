@@ -1,0 +1,26 @@
+"""Exceptions raised by mpcomm. Every message carries the facts needed to act on it."""
+from __future__ import annotations
+
+
+class MpcommError(Exception):
+    """Base class of every mpcomm error."""
+
+
+class CommTimeoutError(MpcommError, TimeoutError):
+    """A blocking operation did not complete within the communicator's timeout."""
+
+    def __init__(self, operation: str, peers, elapsed: float, timeout: float, rank: int | None = None):
+        self.operation, self.peers, self.elapsed, self.timeout, self.rank = str(operation), tuple(peers), elapsed, timeout, rank
+        who = f"rank {rank}: " if rank is not None else ""
+        super().__init__(
+            f"{who}{operation} timed out after {elapsed:.2f} s (timeout {timeout:g} s) "
+            f"waiting for peer rank(s) {list(self.peers)}; the communicator is no longer usable"
+        )
+
+
+class CollectiveMismatchError(MpcommError):
+    """Ranks called a collective with different arguments (validate=True)."""
+
+
+class ConfigError(MpcommError, ValueError):
+    """A parallel configuration violates a constraint; the message names it."""

@@ -1,0 +1,19 @@
+"""Print which MPI, mpi4py, numpy and CUDA-awareness this process sees (the header of every test log)."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from mpi4py import MPI, __version__ as mpi4py_version
+
+
+def describe() -> str:
+    library = MPI.Get_library_version().splitlines()[0].strip()
+    thread = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()]
+    return (f"mpcomm on {library} | MPI {'.'.join(map(str, MPI.Get_version()))} | thread level {thread} | "
+            f"mpi4py {mpi4py_version} | numpy {np.__version__} | python {sys.version.split()[0]}")
+
+
+if __name__ == "__main__":
+    print(describe())

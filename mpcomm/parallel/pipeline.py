@@ -1,0 +1,469 @@
+"""Pipeline parallelism: an executor for the action lists of :mod:`mpcomm.parallel.schedules`.
+
+``PipelineParallel(module, mesh_or_pp_comm, num_micro_batches, schedule="1f1b", virtual_stages=1)`` splits a
+:class:`~mpcomm.nn.Sequential` into ``S = pp * v`` contiguous chunks (stages); pipeline rank ``r`` holds stages
+``r, r + pp, ..., r + (v - 1) * pp``.  :meth:`PipelineParallel.train_step` runs forward and backward of every
+micro-batch following this rank's list from ``with_communication(schedule(...))``:
+
+* ``F``: chunk forward of micro-batch ``m`` (input: the data on stage 0, else the received / local activation);
+  the functional ``ctx`` is kept per ``(stage, m)`` (with ``recompute=True`` only the chunk input is kept and the
+  forward is re-run right before the backward).  On the last stage the loss of the micro-batch is computed
+  (``loss_fn`` = mean over the micro-batch) and its gradient scaled by ``1/m`` so accumulated parameter gradients
+  equal those of the full (local) batch mean.
+* ``B``: chunk backward with the received gradient (or the loss gradient on the last stage).
+* ``SEND_*``: ``comm.isend`` — the Work and its buffer are kept until completed (polled between actions,
+  drained at the end of the step).
+* ``RECV_*``: ``comm.irecv`` into a preallocated buffer, posted ahead of time (up to ``max_posted_recvs``
+  outstanding, in list order) so the transfer overlaps computation; waited only when the action is reached.
+
+Recomputation re-runs the chunk forward as is: a layer that draws random numbers in training mode (Dropout)
+would draw a new mask, so ``recompute=True`` is exact only for deterministic layers (all of the workload's).
+
+Messages are matched by :func:`~mpcomm.parallel.schedules.message_tag`.  Activation shapes are inferred once,
+at the first step, by a stage-ordered handshake: every stage runs its chunk on a zero-row input of the received
+feature shape (eval mode, so no RNG advances) and sends ``(rows, *features, dtype)`` of its output to the next
+stage.  Later steps must keep the same micro-batch shape (a change raises on stage 0; peers' p2p size checks
+raise too — never silently wrong); call :meth:`PipelineParallel.reset_shapes` to re-infer.
+
+Timing per step (``self.last_timing``; running sums in ``self.timing``): ``compute`` (F/B and loss, including any
+tensor-parallel collectives inside the chunks), ``comm_wait`` (blocked in receive waits and the final send
+drain), ``bubble`` = ``total - compute`` (idle), ``total`` (the whole step including the loss broadcast), and
+``forward`` / ``backward`` (the compute split by kind; backward includes the re-run forward with recompute).
+Set ``self.trace = []`` to also record ``(label, t0, t1)`` (``time.perf_counter``) of every compute action, receive
+wait (``WRECV_*``), the final send drain and the loss broadcast, for a per-rank timeline.
+
+Gradients released by ``zero_grad(set_to_none=True)`` would be re-allocated (and page-faulted in, several ms for
+large layers) inside the first backward of each step, on the critical path; with ``pp > 1`` they are instead
+materialised as zeros while the rank is blocked in a receive that has not arrived yet (same values).
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from mpcomm.errors import ConfigError
+from mpcomm.nn import Sequential, mse_loss
+from mpcomm.nn.backend import array_module
+
+from .schedules import (B, F, RECV_F, SCHEDULES, message_tag, schedule as make_schedule,
+                        with_communication)
+from .tensor import gather_full_state
+
+__all__ = ["PipelineParallel", "partition_layers"]
+
+_META_LEN = 10  # dtype index, ndim, up to 8 dims
+_DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+                "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def _dtype_index(dtype) -> int:
+    name = np.dtype(dtype).name
+    if name not in _DTYPE_NAMES:
+        raise ConfigError(f"pipeline activations of dtype {name} are not supported; use one of {_DTYPE_NAMES}")
+    return _DTYPE_NAMES.index(name)
+
+
+def _dtype_of(index: int):
+    name = _DTYPE_NAMES[index]
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+# ------------------------------------------------------------------------------------------ partitioning
+
+def partition_layers(module: Sequential, num_stages: int, balance: Any = "layers") -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` layer ranges of the ``num_stages`` contiguous stages (pure; same on every rank).
+
+    ``balance``: ``"layers"`` — equal layer counts, requires ``num_layers % num_stages == 0``; ``"params"`` —
+    contiguous split minimising the largest per-stage parameter count (every stage >= 1 layer); or an explicit
+    list of ``num_stages`` positive layer counts summing to ``num_layers``.
+    """
+    n = len(module)
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ConfigError(f"number of stages (pp*virtual_stages) must be a positive integer, got {num_stages!r}")
+    if isinstance(balance, str):
+        if balance == "layers":
+            if n % num_stages:
+                raise ConfigError(f"num_layers % (pp*virtual_stages) == 0 is required for balance='layers', but "
+                                  f"{n} % {num_stages} = {n % num_stages}")
+            k = n // num_stages
+            return [(i * k, (i + 1) * k) for i in range(num_stages)]
+        if balance == "params":
+            if n < num_stages:
+                raise ConfigError(f"num_layers >= pp*virtual_stages is required (every stage needs a layer), got "
+                                  f"{n} layers for {num_stages} stages")
+            return _balanced_by_weight([m.num_parameters() for m in module], num_stages)
+        raise ConfigError(f"balance must be 'layers', 'params' or a list of layer counts, got {balance!r}")
+    sizes = list(balance)
+    if len(sizes) != num_stages or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes) \
+            or sum(sizes) != n:
+        raise ConfigError(f"an explicit balance needs pp*virtual_stages = {num_stages} positive layer counts summing "
+                          f"to num_layers = {n}, got {sizes}")
+    out, start = [], 0
+    for s in sizes:
+        out.append((start, start + s))
+        start += s
+    return out
+
+
+def _balanced_by_weight(weights: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    """Contiguous split of ``weights`` into ``parts`` non-empty ranges minimising the maximum range sum (DP)."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: minimal max-sum splitting the first i layers into k parts; cut[k][i]: where the last part starts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:  # strict: earliest cut on ties, deterministic
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        bounds.append((j, i))
+        i = j
+    return bounds[::-1]
+
+
+# ------------------------------------------------------------------------------------------ the engine
+
+def _pp_comm(mesh_or_comm):
+    if hasattr(mesh_or_comm, "pp") and hasattr(mesh_or_comm, "coords"):
+        return mesh_or_comm.pp
+    if hasattr(mesh_or_comm, "isend") and hasattr(mesh_or_comm, "size"):
+        return mesh_or_comm
+    raise TypeError(f"PipelineParallel needs a ParallelMesh or a pipeline Communicator, got {type(mesh_or_comm)!r}")
+
+
+class PipelineParallel:
+    """Pipeline-parallel training of a :class:`~mpcomm.nn.Sequential` over the ``pp`` communicator.
+
+    ``module`` is the whole model (identical structure on every rank; only this rank's chunks are run, so other
+    chunks may stay unconverted).  ``balance``: see :func:`partition_layers`.  ``loss_fn(pred, target) ->
+    (loss, grad)`` must average over the micro-batch (default :func:`~mpcomm.nn.mse_loss`).
+    """
+
+    def __init__(self, module: Sequential, mesh, num_micro_batches: int, schedule: str = "1f1b",
+                 virtual_stages: int = 1, balance: Any = "layers", recompute: bool = False,
+                 loss_fn: Callable = mse_loss, max_posted_recvs: int | None = 4, tag_base: int = 0):
+        self.comm = _pp_comm(mesh)
+        self.pp, self.rank = self.comm.size, self.comm.rank
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+        for name, val in (("num_micro_batches", num_micro_batches), ("virtual_stages", virtual_stages)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {val!r}")
+        if not isinstance(module, Sequential):
+            raise TypeError(f"PipelineParallel splits an mpcomm.nn.Sequential, got {type(module).__name__}")
+        self.module, self.num_micro_batches, self.schedule_name = module, num_micro_batches, schedule
+        self.v = virtual_stages
+        self.num_stages = self.pp * self.v
+        # validates v vs schedule and, for interleaved, m >= pp and m % pp == 0 (ConfigError)
+        compute = make_schedule(schedule, self.pp, num_micro_batches, self.v)
+        self.bounds = partition_layers(module, self.num_stages, balance)
+        self.chunks = [module[a:b] for a, b in self.bounds]  # slices share the modules and keep their names
+        self.stages = [c * self.pp + self.rank for c in range(self.v)]  # stages held here
+        self.actions = with_communication(compute, self.pp, self.v)[self.rank]
+        self.compute_actions = compute
+        self.recompute, self.loss_fn = bool(recompute), loss_fn
+        self.max_posted_recvs = max_posted_recvs
+        self.tag_base = tag_base
+        ub = _tag_upper_bound(self.comm)
+        top = tag_base + 2 * self.num_stages * num_micro_batches + 2 + self.num_stages  # data + shape tags
+        if ub is not None and top > ub:
+            raise ConfigError(f"pipeline message tags up to {top} exceed the MPI tag upper bound {ub}; use fewer "
+                              f"stages or micro-batches")
+        self._shapes: dict[int, tuple[tuple, Any, tuple, Any]] | None = None  # stage -> (in shape, dtype, out...)
+        self._in_key = None
+        self.trace: list | None = None  # set to a list to record (label, t0, t1) per action (perf_counter)
+        self.timing = {"compute": 0.0, "comm_wait": 0.0, "bubble": 0.0, "total": 0.0, "steps": 0}
+        self.last_timing: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- parameters
+    @property
+    def is_first_stage(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.rank == self.pp - 1
+
+    def local_modules(self) -> list[Sequential]:
+        return [self.chunks[s] for s in self.stages]
+
+    def named_parameters(self) -> list[tuple[str, Any]]:
+        """This rank's parameters with their full-model names (``"3.fc1.weight"``)."""
+        out, seen = [], set()
+        for chunk in self.local_modules():
+            for n, p in chunk.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((n, p))
+        return out
+
+    def parameters(self) -> list:
+        return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            p.zero_grad(set_to_none)
+
+    def state_dict(self) -> "OrderedDict[str, Any]":
+        """This rank's (possibly tensor-parallel-local) arrays by full-model name."""
+        return OrderedDict((n, array_module(p.data).array(p.data, copy=True)) for n, p in self.named_parameters())
+
+    def full_state_dict(self) -> "OrderedDict[str, Any]":
+        """Every parameter of the whole model, full size, on every rank of the pipeline.
+
+        Each stage's owner assembles its chunk (gathering tensor-parallel shards, see
+        :func:`~mpcomm.parallel.tensor.gather_full_state`) and broadcasts it over the pp communicator; the other
+        ranks take names and shapes from their (unconverted) copy of that chunk.  Collective over pp (and tp).
+        """
+        out: "OrderedDict[str, Any]" = OrderedDict()
+        for s in range(self.num_stages):
+            owner = s % self.pp
+            chunk = self.chunks[s]
+            if owner == self.rank:
+                arrays = gather_full_state(chunk)
+            else:
+                arrays = OrderedDict()
+                for n, p in chunk.named_parameters():
+                    arrays[n] = array_module(p.data).empty(p.shape, dtype=p.dtype)
+            for n in sorted(arrays):
+                if self.pp > 1:
+                    self.comm.broadcast(arrays[n], root=owner)
+                out[n] = arrays[n]
+        return out
+
+    # ---------------------------------------------------------------- shapes
+    def reset_shapes(self) -> None:
+        self._shapes, self._in_key = None, None
+
+    def _infer_shapes(self, first_input) -> None:
+        """Stage-ordered handshake: ``(rows, *features, dtype)`` of every local stage's input and output."""
+        shapes: dict[int, tuple] = {}
+        pending = []
+        prev_out = None  # output meta of the previous stage when it is local (pp == 1)
+        for s in self.stages:
+            if s == 0:
+                in_shape, in_dtype = tuple(first_input.shape), first_input.dtype
+            elif (s - 1) % self.pp == self.rank:
+                in_shape, in_dtype = prev_out
+            else:
+                meta = np.zeros(_META_LEN, dtype=np.int64)
+                self.comm.recv(meta, (s - 1) % self.pp, tag=self._meta_tag(s - 1))
+                in_shape, in_dtype = tuple(int(d) for d in meta[2:2 + meta[1]]), _dtype_of(int(meta[0]))
+            out_shape, out_dtype = self._probe(s, in_shape, in_dtype)
+            shapes[s] = (in_shape, in_dtype, out_shape, out_dtype)
+            prev_out = (out_shape, out_dtype)
+            if s < self.num_stages - 1 and (s + 1) % self.pp != self.rank:
+                if len(out_shape) > _META_LEN - 2:
+                    raise ConfigError(f"pipeline activations may have at most {_META_LEN - 2} dims, got {out_shape}")
+                meta = np.zeros(_META_LEN, dtype=np.int64)
+                meta[0], meta[1] = _dtype_index(out_dtype), len(out_shape)
+                meta[2:2 + len(out_shape)] = out_shape
+                pending.append((self.comm.isend(meta, (s + 1) % self.pp, tag=self._meta_tag(s)), meta))
+        for w, _ in pending:
+            w.wait()
+        self._shapes = shapes
+
+    def _meta_tag(self, stage: int) -> int:
+        return self.tag_base + 2 * self.num_stages * self.num_micro_batches + 2 + stage
+
+    def _probe(self, s: int, in_shape: tuple, in_dtype) -> tuple[tuple, Any]:
+        """Output shape of stage ``s`` for a micro-batch of ``in_shape``: run it on a zero-row input, eval mode."""
+        chunk = self.chunks[s]
+        xp = _xp_of(chunk)
+        modes = [(m, m.training) for m in chunk.modules()]
+        chunk.train(False)
+        try:
+            y, _ = chunk.forward(xp.zeros((0,) + tuple(in_shape[1:]), dtype=in_dtype))
+        finally:
+            for m, mode in modes:
+                object.__setattr__(m, "training", mode)
+        return (in_shape[0],) + tuple(y.shape[1:]), y.dtype
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, x: Any = None, y: Any = None) -> float:
+        """Forward and backward of the local batch in ``num_micro_batches`` micro-batches; grads accumulate.
+
+        ``x`` is needed on the first pipeline rank, ``y`` on the last (others may pass None or the same arrays).
+        Returns the mean loss over the batch, identical on every pipeline rank.
+        """
+        t_start = time.perf_counter()
+        m, S, pp, r = self.num_micro_batches, self.num_stages, self.pp, self.rank
+        xs = self._split(x, "x") if 0 in self.stages else None
+        ys = self._split(y, "y") if (S - 1) in self.stages else None
+        if xs is not None:
+            key = (tuple(xs[0].shape), np.dtype(xs[0].dtype).str)
+            if self._shapes is not None and key != self._in_key:
+                raise ConfigError(f"pipeline micro-batch shape changed from {self._in_key} to {key}; call "
+                                  f"reset_shapes() on every rank first")
+        else:
+            key = None
+        if self._shapes is None:
+            self._infer_shapes(xs[0] if xs is not None else None)
+            self._in_key = key
+        shapes = self._shapes
+        xp = _xp_of(self.chunks[self.stages[0]])
+
+        acts = self.actions
+        recv_idx = [i for i, a in enumerate(acts) if a.is_recv]
+        posted: dict[int, tuple[Any, Any]] = {}  # action index -> (work, buffer)
+        next_post = 0  # position in recv_idx
+        sends: list[tuple[Any, Any]] = []
+        inbox: dict[tuple[str, int, int], Any] = {}  # (F|B, stage, mb) -> received / local input
+        ctxs: dict[tuple[int, int], Any] = {}
+        outbox: dict[tuple[str, int, int], Any] = {}  # data produced, waiting for its SEND action
+        loss_sum = 0.0
+        t_compute = t_wait = 0.0
+        t_kind = {F: 0.0, B: 0.0}
+        limit = self.max_posted_recvs
+        # parameters whose .grad is None (zero_grad(set_to_none=True)): their first backward would allocate (and
+        # page-fault in) fresh grad arrays on the critical path; materialise them while blocked in a receive instead
+        pending_grads = [p for p in self.parameters() if p.grad is None] if pp > 1 else []
+
+        def post_ahead(i: int) -> None:
+            nonlocal next_post
+            while next_post < len(recv_idx):
+                j = recv_idx[next_post]
+                if limit is not None and len(posted) >= limit and j != i:
+                    return
+                a = acts[j]
+                if a.kind == RECV_F:
+                    shape, dtype = shapes[a.stage][0], shapes[a.stage][1]
+                else:
+                    shape, dtype = shapes[a.stage][2], shapes[a.stage][3]
+                buf = xp.empty(shape, dtype=dtype)
+                posted[j] = (self.comm.irecv(buf, a.peer, tag=message_tag(a, m, self.tag_base)), buf)
+                next_post += 1
+
+        for i, a in enumerate(acts):
+            if a.is_recv:
+                post_ahead(i)
+                work, buf = posted.pop(i)
+                t0 = time.perf_counter()
+                while pending_grads and not work.is_completed():
+                    _materialize_grad(pending_grads.pop())  # idle: fault in the grad buffers off the critical path
+                work.wait()
+                t1 = time.perf_counter()
+                t_wait += t1 - t0
+                if self.trace is not None:
+                    self.trace.append((f"W{a.kind}{a.stage}.{a.microbatch}", t0, t1))
+                # keys: F inputs by the consuming stage, B gradients by the producing stage
+                key = (F, a.stage, a.microbatch) if a.kind == RECV_F else (B, a.stage + 1, a.microbatch)
+                inbox[key] = buf
+                post_ahead(-1)
+                continue
+            if a.is_send:
+                data = outbox.pop((a.kind[-1], a.stage, a.microbatch))
+                data = xp.ascontiguousarray(data)
+                sends.append((self.comm.isend(data, a.peer, tag=message_tag(a, m, self.tag_base)), data))
+                continue
+            post_ahead(-1)
+            s, mb = a.stage, a.microbatch
+            chunk = self.chunks[s]
+            t0 = time.perf_counter()
+            if a.kind == F:
+                inp = xs[mb] if s == 0 else inbox.pop((F, s, mb))
+                out, ctx = chunk.forward(inp)
+                if s == S - 1:
+                    loss, g = self.loss_fn(out, ys[mb])
+                    loss_sum += float(loss)
+                    inbox[(B, s + 1, mb)] = g * (1.0 / m)
+                elif (s + 1) % pp == r:
+                    inbox[(F, s + 1, mb)] = out
+                else:
+                    outbox[(F, s, mb)] = out
+                ctxs[(s, mb)] = inp if self.recompute else ctx
+            else:
+                gy = inbox.pop((B, s + 1, mb))
+                ctx = ctxs.pop((s, mb))
+                if self.recompute:
+                    _, ctx = chunk.forward(ctx)
+                gx = chunk.backward(gy, ctx)
+                if s > 0:
+                    if (s - 1) % pp == r:
+                        inbox[(B, s, mb)] = gx
+                    else:
+                        outbox[(B, s, mb)] = gx
+            t1 = time.perf_counter()
+            dt = t1 - t0
+            if self.trace is not None:
+                self.trace.append((f"{a.kind}{s}.{mb}", t0, t1))
+            t_compute += dt
+            t_kind[a.kind] += dt
+            if sends:  # release finished sends (also drives MPI progress)
+                sends = [sw for sw in sends if not sw[0].is_completed()]
+
+        t0 = time.perf_counter()
+        for w, _ in sends:
+            w.wait()
+        t1 = time.perf_counter()
+        t_wait += t1 - t0
+        if self.trace is not None:
+            self.trace.append(("drain", t0, t1))
+        if posted or inbox or ctxs or outbox:  # pragma: no cover - would be a schedule bug
+            raise RuntimeError(f"pipeline rank {r}: step ended with leftovers posted={list(posted)} "
+                               f"inbox={list(inbox)} ctxs={list(ctxs)} outbox={list(outbox)}")
+        loss = np.array([loss_sum / m], dtype=np.float64)
+        if pp > 1:
+            self.comm.broadcast(loss, root=(S - 1) % pp)
+        if self.trace is not None:
+            self.trace.append(("bcast", t1, time.perf_counter()))
+            self.trace.insert(0, ("start", t_start, t_start))
+        total = time.perf_counter() - t_start
+        self.last_timing = {"compute": t_compute, "comm_wait": t_wait, "bubble": total - t_compute, "total": total,
+                            "forward": t_kind[F], "backward": t_kind[B]}
+        for k, val in self.last_timing.items():
+            self.timing[k] = self.timing.get(k, 0.0) + val
+        self.timing["steps"] += 1
+        return float(loss[0])
+
+    def _split(self, a, what: str) -> list:
+        if a is None:
+            raise ValueError(f"PipelineParallel.train_step: {what} is required on pipeline rank {self.rank}")
+        m = self.num_micro_batches
+        if a.shape[0] % m:
+            raise ConfigError(f"batch size % num_micro_batches == 0 is required, but {what} has {a.shape[0]} rows "
+                              f"and num_micro_batches = {m}")
+        k = a.shape[0] // m
+        return [a[i * k:(i + 1) * k] for i in range(m)]
+
+    def __repr__(self) -> str:
+        return (f"PipelineParallel(rank {self.rank}/{self.pp}, schedule={self.schedule_name!r}, v={self.v}, "
+                f"m={self.num_micro_batches}, stages={self.stages}, layers={[self.bounds[s] for s in self.stages]}, "
+                f"recompute={self.recompute})")
+
+
+def _materialize_grad(p) -> None:
+    """``p.grad`` <- touched zeros of ``p``'s shape (same result as allocating on first accumulation)."""
+    if p.grad is None:
+        g = array_module(p.data).empty(p.data.shape, dtype=p.data.dtype)
+        g[...] = 0
+        p.grad = g
+
+
+def _xp_of(chunk):
+    params = chunk.parameters()
+    return array_module(params[0].data) if params else np
+
+
+def _tag_upper_bound(comm) -> int | None:
+    try:
+        from mpi4py import MPI
+        ub = comm.mpi.Get_attr(MPI.TAG_UB)
+        return int(ub) if ub is not None else None
+    except Exception:
+        return None

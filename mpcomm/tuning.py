@@ -1,0 +1,166 @@
+"""Calibration: time every algorithm on the live communicator and build the table ``auto`` chooses from.
+
+For each operation, message size and candidate algorithm the collective is run ``repeats`` times after a
+warm-up, each run started by a barrier; a rank's time is the median of its runs and the time of the
+algorithm is the largest over the ranks (the collective is as slow as its slowest rank). Rank 0 picks the
+fastest algorithm per size, fits ``seconds = alpha + beta * bytes`` per algorithm by least squares, and
+broadcasts the table, so every rank holds the same one. The table is plain JSON::
+
+    {"format": "mpcomm-tuning/1", "layout": {"size": 4, "node_sizes": [2, 2]}, "mpi": "MPICH Version: ...",
+     "operations": {"allreduce": {"float32": {"sizes": [...], "best": [...],
+                                               "seconds": {"ring": [...], ...},
+                                               "fit": {"ring": {"alpha": s, "beta": s_per_byte}, ...}}}}}
+
+``python -m mpcomm.tuning --out FILE`` (under mpiexec) tunes COMM_WORLD and saves the table;
+``python -m mpcomm.tuning --crossovers`` prints the cost model's choices for 64..4096 ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .algorithms import REGISTRY
+from .algorithms.auto import TABLE_FORMAT, print_crossovers
+
+DEFAULT_SIZES = tuple(8 << (3 * k) for k in range(8))  # 8 B, 64 B, ..., 16 MiB
+
+
+def tune(comm, sizes=DEFAULT_SIZES, repeats: int = 5, operations=("allreduce",), dtype="float32",
+         algorithms=None, verbose: bool = True) -> dict:
+    """Measure, decide on rank 0, broadcast; returns the table (``comm.selector`` is not changed here)."""
+    dtype = np.dtype(dtype)
+    sizes = sorted({int(s) for s in sizes})
+    _check(comm, sizes, repeats, operations, algorithms)
+    table = {
+        "format": TABLE_FORMAT,
+        "layout": comm.selector.layout.to_json(),
+        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "operations": {},
+    }
+    for operation in operations:
+        names = [a for a in REGISTRY[operation] if algorithms is None or a in algorithms]
+        per_rank = [_count(operation, s, dtype, comm.size) for s in sizes]
+        nbytes = [count * dtype.itemsize * _factor(operation, comm.size) for count in per_rank]
+        seconds = np.array([[_median_time(comm, operation, a, n, dtype, repeats) for n in nbytes] for a in names])
+        comm.mpi.Allreduce(MPI.IN_PLACE, seconds, op=MPI.MAX)
+        entry = _decide(names, nbytes, seconds) if comm.rank == 0 else None
+        table["operations"][operation] = {str(dtype): comm.mpi.bcast(entry, root=0)}
+    if verbose and comm.rank == 0:
+        print(describe(table), flush=True)
+    return table
+
+
+def describe(table: dict) -> str:
+    """The measured times, the choice per size and the alpha/beta fits, as text."""
+    layout = table["layout"]
+    lines = [f"mpcomm tune: {layout['size']} ranks on nodes of {layout['node_sizes']} ({table['mpi']})"]
+    for operation, by_dtype in table["operations"].items():
+        for dtype, entry in by_dtype.items():
+            names = list(entry["seconds"])
+            lines.append(f"{operation} {dtype}: median time in us (max over ranks)")
+            lines.append(f"{'bytes':>10} " + " ".join(f"{a:>14}" for a in names) + "  best")
+            for i, n in enumerate(entry["sizes"]):
+                row = " ".join(f"{entry['seconds'][a][i] * 1e6:14.1f}" for a in names)
+                lines.append(f"{n:>10} {row}  {entry['best'][i]}")
+            for a, fit in entry["fit"].items():
+                rate = f"{1 / fit['beta'] / 1e9:.2f} GB/s" if fit["beta"] > 0 else "n/a"
+                lines.append(f"  fit {a:>14}: alpha = {fit['alpha'] * 1e6:9.1f} us, beta = "
+                             f"{fit['beta'] * 1e9:.4f} ns/B (1/beta = {rate})")
+    return "\n".join(lines)
+
+
+def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
+    """Least-squares ``seconds ~ alpha + beta * bytes``."""
+    design = np.column_stack([np.ones(len(nbytes)), np.asarray(nbytes, dtype=float)])
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.asarray(seconds, dtype=float), rcond=None)
+    return float(alpha), float(beta)
+
+
+# ------------------------------------------------------------------ internals
+def _decide(names, nbytes, seconds) -> dict:
+    return {
+        "sizes": list(nbytes),
+        "best": [names[i] for i in seconds.argmin(axis=0)],
+        "seconds": {a: seconds[j].tolist() for j, a in enumerate(names)},
+        "fit": {a: dict(zip(("alpha", "beta"), fit_alpha_beta(nbytes, seconds[j]))) for j, a in enumerate(names)},
+    }
+
+
+def _check(comm, sizes, repeats, operations, algorithms) -> None:
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"tune: sizes must be positive byte counts, got {sizes}")
+    if not isinstance(repeats, (int, np.integer)) or repeats < 1:
+        raise ValueError(f"tune: repeats must be a positive integer, got {repeats!r}")
+    if isinstance(operations, str):
+        raise ValueError(f"tune: operations must be a sequence of names, e.g. ({operations!r},)")
+    for operation in operations:
+        if operation not in REGISTRY:
+            raise ValueError(f"tune: unknown operation {operation!r}; choose from {sorted(REGISTRY)}")
+    known = set().union(*(REGISTRY[o] for o in operations))
+    if algorithms is not None and not set(algorithms) <= known:
+        raise ValueError(f"tune: unknown algorithm(s) {sorted(set(algorithms) - known)}; known: {sorted(known)}")
+
+
+def _factor(operation: str, size: int) -> int:
+    """How many per-rank counts make up the message bytes the selector is asked about."""
+    return size if operation in ("reduce_scatter", "all_gather") else 1
+
+
+def _count(operation: str, nbytes: int, dtype: np.dtype, size: int) -> int:
+    return max(1, nbytes // dtype.itemsize // _factor(operation, size))
+
+
+def _runner(comm, operation: str, algorithm: str, nbytes: int, dtype: np.dtype):
+    count = nbytes // dtype.itemsize // _factor(operation, comm.size)
+    op = "max" if dtype == np.bool_ else "sum"
+    if operation == "allreduce":
+        buf = np.zeros(count, dtype)
+        return lambda: comm.allreduce(buf, op=op, algorithm=algorithm)
+    if operation == "reduce_scatter":
+        send, recv = np.zeros(count * comm.size, dtype), np.zeros(count, dtype)
+        return lambda: comm.reduce_scatter(send, recv, op=op, algorithm=algorithm)
+    if operation == "all_gather":
+        send, recv = np.zeros(count, dtype), np.zeros(count * comm.size, dtype)
+        return lambda: comm.all_gather(send, recv, algorithm=algorithm)
+    buf = np.zeros(count, dtype)
+    return lambda: comm.broadcast(buf, root=0, algorithm=algorithm)
+
+
+def _median_time(comm, operation, algorithm, nbytes, dtype, repeats) -> float:
+    run = _runner(comm, operation, algorithm, nbytes, dtype)
+    run()  # warm-up: scratch buffers, sub-communicators
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mpcomm.tuning", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="save the measured table to this JSON file (MPCOMM_TUNING_FILE reads it)")
+    parser.add_argument("--operations", default="allreduce", help="comma-separated, e.g. allreduce,reduce_scatter")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-bytes", type=int, default=DEFAULT_SIZES[-1])
+    parser.add_argument("--crossovers", action="store_true", help="print the cost model's choices for 64..4096 ranks")
+    parser.add_argument("--ranks-per-node", type=int, default=8, help="for --crossovers")
+    args = parser.parse_args(argv)
+    if args.crossovers:
+        print_crossovers(ranks_per_node=args.ranks_per_node)
+        return
+    from .comm import Communicator
+
+    comm = Communicator()
+    sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
+    comm.tune(sizes=sizes, repeats=args.repeats, operations=tuple(args.operations.split(",")))
+    if args.out:
+        comm.save_tuning(args.out)
+
+
+if __name__ == "__main__":
+    main()

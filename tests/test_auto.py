@@ -1,0 +1,220 @@
+"""The pipelined ring, the auto selector (cost model and tuned table) and tune()/save/load.
+
+Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test_auto.py`` (any N >= 1);
+the tests without the mpi mark (the selector's pure logic) also run serially.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from conftest import WORLD, assert_identical_across_ranks, assert_reduced, gather, in_step, make_input
+
+from mpcomm import Communicator
+from mpcomm.algorithms import REGISTRY, pipelined
+from mpcomm.algorithms.auto import TABLE_FORMAT, CostModel, Layout, Selector, crossovers
+
+P = WORLD.Get_size()
+
+
+# ------------------------------------------------------------------------------------------ pipelined ring
+@pytest.mark.mpi
+@pytest.mark.parametrize("segment_bytes", [8, 100, None], ids=["seg8B", "seg100B", "default"])
+@pytest.mark.parametrize("n", [0, 1, 7, P + 1, 10_007, 2**20 + 5])
+def test_pipelined_allreduce(comm, monkeypatch, n, segment_bytes):
+    if segment_bytes is not None:
+        if n > 20_000:
+            pytest.skip("tiny segments on a large vector only cost time")
+        monkeypatch.setattr(pipelined, "SEGMENT_BYTES", segment_bytes)
+    x = make_input(np.float32, "sum", (n,), comm.rank, seed=n)
+    y = x.copy()
+    in_step(lambda: comm.allreduce(y, algorithm="ring_pipelined"))
+    assert_identical_across_ranks(y, "ring_pipelined")
+    assert_reduced(y, gather(x), "sum", what="ring_pipelined:")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype, op", [(np.float64, "prod"), (np.int16, "max"), (np.float16, "avg")])
+@pytest.mark.parametrize("count", [1, 13, 4097])
+def test_pipelined_reduce_scatter(comm, monkeypatch, dtype, op, count):
+    monkeypatch.setattr(pipelined, "SEGMENT_BYTES", 24)  # many segments, not a multiple of the itemsize
+    send = make_input(dtype, op, (comm.size * count,), comm.rank, seed=count)
+    recv = np.empty(count, dtype)
+    in_step(lambda: comm.reduce_scatter(send, recv, op=op, algorithm="ring_pipelined"))
+    everyone = gather(send)
+    mine = slice(comm.rank * count, (comm.rank + 1) * count)
+    assert_reduced(recv, [x[mine] for x in everyone], op, what="ring_pipelined reduce_scatter:")
+
+
+# ------------------------------------------------------------------------------------------ auto: agreement
+def _choices(selector: Selector) -> list[str]:
+    sizes = [0, 1, 8, 1000, 4096, 65536, 2**20, 2**26, 2**34]
+    return [selector.choose(op, n, np.dtype(d)) for op in REGISTRY for n in sizes for d in (np.float32, np.float16)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks_per_node", [None, 1, 2])
+def test_auto_agrees_across_ranks_model(ranks_per_node):
+    comm = Communicator(WORLD, ranks_per_node=ranks_per_node)
+    choices = _choices(comm.selector)
+    assert WORLD.allgather(choices) == [choices] * P
+    x = make_input(np.float64, "sum", (5000,), comm.rank)
+    y = x.copy()
+    in_step(lambda: comm.allreduce(y))
+    used = list(comm.stats()["allreduce"])
+    assert WORLD.allgather(used) == [used] * P and used[0] in REGISTRY["allreduce"]
+    assert_reduced(y, gather(x), "sum")
+    comm.free()
+
+
+@pytest.fixture
+def tmp_path():
+    """One temporary directory for all ranks, made and removed by rank 0 (pytest's own tmp_path races when
+    several ranks clean up its base directory at once)."""
+    made = tempfile.mkdtemp(prefix="mpcomm-tune-") if WORLD.Get_rank() == 0 else None
+    path = WORLD.bcast(made, root=0)
+    yield pathlib.Path(path)
+    WORLD.Barrier()
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def _shared_path(tmp_path, name: str) -> str:
+    return str(tmp_path / name)
+
+
+@pytest.fixture
+def own():
+    """A Communicator of the test's own, so tuning never changes the session communicator's choices."""
+    comm = Communicator(WORLD)
+    yield comm
+    comm.free()
+
+
+@pytest.mark.mpi
+def test_tune_save_load_round_trip(own, tmp_path, monkeypatch, capsys):
+    comm = own
+    table = comm.tune(sizes=(8, 1024), repeats=1, operations=("allreduce", "reduce_scatter"))
+    assert WORLD.allgather(json.dumps(table, sort_keys=True)) == [json.dumps(table, sort_keys=True)] * P
+    assert comm.selector.table is table
+    out = capsys.readouterr().out
+    if comm.rank == 0:
+        assert "fit" in out and "alpha" in out
+    entry = table["operations"]["allreduce"]["float32"]
+    assert entry["sizes"] == [8, 1024] and set(entry["seconds"]) == set(REGISTRY["allreduce"])
+    for i, best in enumerate(entry["best"]):
+        assert entry["seconds"][best][i] == min(t[i] for t in entry["seconds"].values())
+    assert comm.stats() == {}  # the measurement runs are not counted
+    tuned = _choices(comm.selector)
+    assert WORLD.allgather(tuned) == [tuned] * P
+    # between/after the measured sizes: the nearest measured size on a log scale
+    assert comm.selector.choose("allreduce", 10, np.float32) == entry["best"][0]
+    assert comm.selector.choose("allreduce", 2**30, np.float32) == entry["best"][1]
+
+    path = _shared_path(tmp_path, "tuning.json")
+    comm.save_tuning(path)
+    fresh = Communicator(WORLD)
+    assert fresh.load_tuning(path)
+    assert json.dumps(fresh.selector.table, sort_keys=True) == json.dumps(table, sort_keys=True)
+    assert _choices(fresh.selector) == tuned
+    monkeypatch.setenv("MPCOMM_TUNING_FILE", path)
+    from_env = Communicator(WORLD)
+    assert _choices(from_env.selector) == tuned
+    x = make_input(np.float32, "sum", (300,), comm.rank)
+    y = x.copy()
+    in_step(lambda: from_env.allreduce(y))
+    assert_reduced(y, gather(x), "sum")
+    for c in (fresh, from_env):
+        c.free()
+
+
+@pytest.mark.mpi
+def test_table_for_another_layout_is_ignored(own, tmp_path):
+    comm = own
+    table = comm.tune(sizes=(64,), repeats=1, verbose=False)
+    other = dict(table, layout={"size": P + 1, "node_sizes": [P + 1]})
+    path = _shared_path(tmp_path, "other.json")
+    if comm.rank == 0:
+        with open(path, "w") as f:
+            json.dump(other, f)
+    WORLD.Barrier()
+    fresh = Communicator(WORLD)
+    with pytest.warns(RuntimeWarning, match="layout"):
+        assert fresh.load_tuning(path) is False
+    assert fresh.selector.table is None
+    fresh.free()
+
+
+@pytest.mark.mpi
+def test_tuning_errors(comm, tmp_path):
+    fresh = Communicator(WORLD)
+    with pytest.raises(ValueError, match="no tuning table"):
+        fresh.save_tuning(_shared_path(tmp_path, "never.json"))
+    with pytest.raises(FileNotFoundError):
+        fresh.load_tuning(_shared_path(tmp_path, "missing.json"))
+    with pytest.warns(RuntimeWarning, match="does not exist"):
+        assert fresh.load_tuning(_shared_path(tmp_path, "missing.json"), missing_ok=True) is False
+    bad = _shared_path(tmp_path, "bad.json")
+    if comm.rank == 0:
+        with open(bad, "w") as f:
+            f.write("{not json")
+    WORLD.Barrier()
+    with pytest.raises(ValueError, match="cannot read"):
+        fresh.load_tuning(bad)
+    for kwargs in ({"repeats": 0}, {"operations": ("bogus",)}, {"operations": "allreduce"}, {"sizes": ()},
+                   {"algorithms": ("warp",)}):
+        with pytest.raises(ValueError):
+            fresh.tune(verbose=False, **kwargs)
+    fresh.free()
+
+
+# ------------------------------------------------------------------------------------------ selector logic (serial)
+def _table(layout: Layout, sizes, best) -> dict:
+    return {"format": TABLE_FORMAT, "layout": layout.to_json(),
+            "operations": {"allreduce": {"float32": {"sizes": sizes, "best": best, "seconds": {}, "fit": {}}}}}
+
+
+def test_nearest_measured_size_on_log_scale():
+    layout = Layout.blocks(4, 2)
+    selector = Selector(layout, {op: tuple(algs) for op, algs in REGISTRY.items()})
+    assert selector.load(_table(layout, [8, 1024, 2**20], ["tree", "rhd", "ring"]))
+    pick = lambda n, dtype=np.float32: selector.choose("allreduce", n, dtype)  # noqa: E731
+    assert [pick(0), pick(8), pick(90), pick(100), pick(1024), pick(30_000), pick(40_000), pick(2**40)] == [
+        "tree", "tree", "tree", "rhd", "rhd", "rhd", "ring", "ring"]
+    assert pick(2**20, np.float64) == "ring"  # unmeasured dtype: the measured one nearest in itemsize
+    assert selector.choose("broadcast", 8, np.float32) in REGISTRY["broadcast"]  # unmeasured op: the model
+
+
+def test_selector_rejects_foreign_tables():
+    selector = Selector(Layout.blocks(4, 2), {op: tuple(algs) for op, algs in REGISTRY.items()})
+    with pytest.warns(RuntimeWarning, match="layout"):
+        assert not selector.load(_table(Layout.blocks(4, 4), [8], ["ring"]))
+    with pytest.warns(RuntimeWarning, match="does not have"):
+        assert not selector.load(_table(Layout.blocks(4, 2), [8], ["warp_drive"]))
+    with pytest.warns(RuntimeWarning, match="format"):
+        assert not selector.load({"layout": {}})
+    assert selector.table is None
+
+
+def test_cost_model_shapes():
+    """The model's qualitative claims: latency-bound small messages avoid the 2(p-1)-step ring, bandwidth-
+    bound large ones avoid the tree; across nodes hierarchical beats the flat ring at medium sizes."""
+    model = CostModel()
+    flat, nodes = Layout.blocks(64, 64), Layout.blocks(1024, 8)
+    assert model.allreduce("ring", 8, flat) > model.allreduce("rhd", 8, flat)
+    assert model.allreduce("tree", 2**28, flat) > model.allreduce("ring", 2**28, flat)
+    assert model.allreduce("hierarchical", 2**20, nodes) < model.allreduce("ring", 2**20, nodes)
+    assert model.allreduce("ring", 2**20, Layout(1, (1,))) == 0.0
+    assert math.isinf(model.allreduce("warp", 8, flat))
+    table = crossovers(ranks=(64, 4096))
+    assert set(table) == {64, 4096}
+    for regions in table.values():
+        starts = [b for b, _ in regions]
+        assert starts == sorted(starts) and regions[0][0] == 8
+        assert all(a != b for (_, a), (_, b) in zip(regions, regions[1:]))
+

@@ -1,0 +1,140 @@
+"""Non-blocking collectives: several in flight, issue order, mixing with blocking calls, errors through wait(),
+on the progress thread and in progress-on-wait mode (what an MPI without THREAD_MULTIPLE gets).
+
+Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test_nonblocking.py`` (any N >= 1).
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from conftest import WORLD, assert_identical_across_ranks, assert_reduced, gather, in_step, make_input
+from mpi4py import MPI
+
+import mpcomm.comm
+from mpcomm import Communicator
+
+pytestmark = pytest.mark.mpi
+
+P = WORLD.Get_size()
+
+
+@pytest.fixture(params=["thread", "wait"])
+def nb(request, monkeypatch):
+    """A fresh Communicator whose non-blocking collectives run on the progress thread or on wait()."""
+    monkeypatch.setenv("MPCOMM_PROGRESS", request.param)
+    comm = Communicator(WORLD)
+    yield comm
+    comm.free()
+
+
+def test_several_in_flight_waited_in_reverse(nb):
+    inputs = [make_input(np.float32, "sum", (n,), nb.rank, seed=n) for n in (0, 5, 1000, 70_001)]
+    outputs = [x.copy() for x in inputs]
+    algorithms = ["ring", "rhd", "tree", "ring_pipelined"]
+    works = [nb.iallreduce(y, algorithm=a) for y, a in zip(outputs, algorithms)]
+    results = in_step(lambda: [w.wait() for w in reversed(works)])
+    assert all(r is y for r, y in zip(results, reversed(outputs)))  # wait() returns the buffer
+    assert all(w.is_completed() for w in works)
+    for x, y in zip(inputs, outputs):
+        assert_identical_across_ranks(y)
+        assert_reduced(y, gather(x), "sum")
+
+
+def test_completion_in_issue_order(nb):
+    """When a later operation is complete, every earlier one is too (one FIFO worker / a FIFO queue)."""
+    bufs = [np.full(20_000, nb.rank, np.float64) for _ in range(5)]
+    works = [nb.iallreduce(b) for b in bufs]
+    in_step(works[-1].wait)
+    assert [w.is_completed() for w in works] == [True] * 5
+    assert all((b == P * (P - 1) / 2).all() for b in bufs)
+
+
+def test_mixed_with_blocking_calls_in_rank_dependent_order(nb):
+    """Odd ranks run blocking collectives before waiting, even ranks wait first: collectives still run in
+    issue order on every rank, so nothing deadlocks and every result is right."""
+    a = make_input(np.float64, "sum", (3001,), nb.rank, seed=1)
+    b = make_input(np.float64, "max", (17,), nb.rank, seed=2)
+    send = make_input(np.int32, "sum", (4 * P,), nb.rank, seed=3)
+    mine = make_input(np.int64, "sum", (3,), nb.rank, seed=4)
+    ya, yb, recv, gathered = a.copy(), b.copy(), np.empty(4, np.int32), np.empty(3 * P, np.int64)
+
+    def body():
+        first = nb.iallreduce(ya)
+        second = nb.ireduce_scatter(send, recv)
+        if nb.rank % 2:
+            nb.allreduce(yb, op="max")
+            nb.barrier()
+            first.wait()
+        else:
+            first.wait()
+            nb.allreduce(yb, op="max")
+            nb.barrier()
+        third = nb.iall_gather(mine, gathered)
+        third.wait()
+        second.wait()
+
+    in_step(body)
+    assert_reduced(ya, gather(a), "sum")
+    assert_reduced(yb, gather(b), "max")
+    sends = gather(send)
+    assert_reduced(recv, [s[4 * nb.rank : 4 * nb.rank + 4] for s in sends], "sum")
+    assert (gathered == np.concatenate(gather(mine))).all()
+
+
+def test_starting_does_not_wait_for_other_ranks(nb):
+    """Rank r starts its first iallreduce before rank r+1 has started its own (a chain of messages on
+    COMM_WORLD orders them): starting must not block on the other ranks (a regression would hang here)."""
+    y = np.ones(1000)
+    if nb.rank > 0:
+        WORLD.recv(source=nb.rank - 1, tag=77)
+    work = nb.iallreduce(y)
+    if nb.rank < P - 1:
+        WORLD.send("started", dest=nb.rank + 1, tag=77)
+    in_step(work.wait)
+    assert (y == P).all()
+
+
+def test_errors_propagate_through_wait(nb):
+    """A bad argument raises (at the call or at wait) and the communicator stays usable."""
+    with pytest.raises(TypeError, match="avg"):
+        nb.iallreduce(np.ones(4, np.int32), op="avg").wait()
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        nb.iallreduce(np.array(["a", "b"])).wait()
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        nb.iallreduce(np.ones(4), algorithm="warp").wait()
+    with pytest.raises(ValueError, match="elements"):
+        nb.ireduce_scatter(np.ones(P + 1), np.ones(1)).wait()
+    y = np.ones(9)
+    in_step(nb.iallreduce(y).wait)
+    assert (y == P).all()
+
+
+def test_progress_without_polling():
+    """On the progress thread an operation completes while the caller never touches it."""
+    comm = Communicator(WORLD)
+    y = np.ones(10_000)
+    work = comm.iallreduce(y)
+    other = np.ones(5)
+    comm.allreduce(other)  # a blocking call on another communicator meanwhile
+    in_step(work.wait)
+    assert (y == P).all() and (other == P).all()
+    comm.free()
+
+
+def test_thread_level_below_multiple_warns_once_and_falls_back(monkeypatch):
+    monkeypatch.delenv("MPCOMM_PROGRESS", raising=False)
+    monkeypatch.setattr(mpcomm.comm.MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
+    monkeypatch.setattr(mpcomm.comm, "_warned_thread_level", False)
+    first, second = Communicator(WORLD), Communicator(WORLD)
+    with pytest.warns(RuntimeWarning, match="THREAD_SERIALIZED.*inside wait"):
+        w1 = first.iallreduce(np.ones(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w2 = second.iallreduce(y2 := np.ones(3))
+    assert first._executor is None and second._executor is None
+    in_step(lambda: (w2.wait(), w1.wait()))
+    assert (y2 == P).all()
+    first.free()
+    second.free()

@@ -1,0 +1,170 @@
+"""PipelineParallel against one process training on the full batch.
+
+Serial:  python -m pytest -q tests/test_pipeline.py
+MPI:     timeout 600 mpiexec -n 4 python -m pytest -q --with-mpi -m mpi tests/test_pipeline.py   (any size 1..4)
+The MPI tests use pp = world size.
+"""
+import numpy as np
+import pytest
+from conftest import assert_matches_single_process
+
+from mpcomm.errors import ConfigError
+from mpcomm.nn import make_optimizer, mlp, mse_loss
+from mpcomm.parallel.pipeline import PipelineParallel, partition_layers
+from mpcomm.workload import Workload
+
+RTOL = 1e-10
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
+
+
+def self_comm():
+    from mpi4py import MPI
+
+    from mpcomm import Communicator
+    return Communicator(MPI.COMM_SELF)
+
+
+def world():
+    from mpcomm import Communicator
+    return Communicator()
+
+
+def workload_for(pp, v, dp=1, mb_rows=2):
+    m = 2 * pp
+    return Workload(num_layers=2 * pp * v, d_model=12, d_hidden=24, global_batch=dp * m * mb_rows, seed=3), m
+
+
+def train_pipeline(pipe, wl, steps, optimizer="sgd", lr=0.1):
+    opt = make_optimizer(optimizer, pipe.parameters(), lr)
+    losses = []
+    for step in range(steps):
+        x, y = wl.batch(step)
+        losses.append(pipe.train_step(x, y))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+# ------------------------------------------------------------------------------------------ pure / serial
+
+def test_partition_layers_by_count_params_and_explicit():
+    model = mlp([4, 8, 8, 8, 4], activation="gelu")  # 7 children: L, a, L, a, L, a, L
+    with pytest.raises(ConfigError, match=r"num_layers % \(pp\*virtual_stages\) == 0"):
+        partition_layers(model, 2, "layers")
+    assert partition_layers(mlp([4] * 5, activation=None), 2, "layers") == [(0, 2), (2, 4)]
+    b = partition_layers(model, 3, "params")
+    assert b[0][0] == 0 and b[-1][1] == 7 and all(a < c for a, c in b)
+    weights = [m.num_parameters() for m in model]
+    worst = max(sum(weights[a:c]) for a, c in b)
+    import itertools
+    best = min(max(sum(weights[a:c]) for a, c in zip((0,) + cuts, cuts + (7,)))
+               for cuts in itertools.combinations(range(1, 7), 2))
+    assert worst == best == 108  # linears of 40, 72, 72, 36 params: [40 | 72 | 72+36] is optimal
+    assert partition_layers(model, 2, [3, 4]) == [(0, 3), (3, 7)]
+    with pytest.raises(ConfigError, match="positive layer counts summing to num_layers"):
+        partition_layers(model, 2, [3, 3])
+    with pytest.raises(ConfigError, match="num_layers >= pp"):
+        partition_layers(model, 8, "params")
+
+
+def test_bad_configurations_raise_config_error_naming_the_constraint():
+    wl = Workload(num_layers=4, d_model=12, d_hidden=24, global_batch=8)
+    one = self_comm()
+    with pytest.raises(ConfigError, match=r"num_layers % \(pp\*virtual_stages\) == 0"):
+        PipelineParallel(wl.model(), one, 4, schedule="interleaved-1f1b", virtual_stages=3)
+    with pytest.raises(ConfigError, match="requires schedule 'interleaved-1f1b'"):
+        PipelineParallel(wl.model(), one, 4, schedule="1f1b", virtual_stages=2)
+    with pytest.raises(ConfigError, match="unknown pipeline schedule"):
+        PipelineParallel(wl.model(), one, 4, schedule="zigzag")
+    with pytest.raises(ConfigError, match="num_micro_batches must be a positive integer"):
+        PipelineParallel(wl.model(), one, 0)
+    pipe = PipelineParallel(wl.model(), one, 3)
+    x, y = wl.batch(0)
+    with pytest.raises(ConfigError, match="batch size % num_micro_batches == 0"):
+        pipe.train_step(x, y)
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_single_rank_micro_batches_and_local_virtual_stages_match_reference(schedule, v):
+    wl, m = workload_for(1, v)
+    pipe = PipelineParallel(wl.model(), self_comm(), m, schedule=schedule, virtual_stages=v)
+    losses = train_pipeline(pipe, wl, 2)
+    assert_matches_single_process(pipe, losses, wl)
+
+
+# ------------------------------------------------------------------------------------------ MPI
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_pipeline_matches_single_process(schedule, v):
+    comm = world()
+    pp = comm.size
+    wl, m = workload_for(pp, v)
+    pipe = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v)
+    assert pipe.stages == [c * pp + comm.rank for c in range(v)]
+    losses = train_pipeline(pipe, wl, 3)
+    assert_matches_single_process(pipe, losses, wl)
+    t = pipe.timing
+    assert t["steps"] == 3 and t["total"] >= t["compute"] >= 0 and t["comm_wait"] >= 0
+    assert abs(t["bubble"] - (t["total"] - t["compute"])) < 1e-9
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_recompute_gives_identical_results(schedule, v):
+    comm = world()
+    wl, m = workload_for(comm.size, v)
+    plain = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v)
+    redo = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v, recompute=True)
+    a, b = train_pipeline(plain, wl, 2, "adam", 0.01), train_pipeline(redo, wl, 2, "adam", 0.01)
+    assert a == b
+    for (n, p), (n2, q) in zip(plain.named_parameters(), redo.named_parameters()):
+        assert n == n2 and np.array_equal(p.data, q.data)
+
+
+@pytest.mark.mpi
+def test_adam_and_small_receive_window_match_reference():
+    comm = world()
+    wl, m = workload_for(comm.size, 1)
+    pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b", max_posted_recvs=1)
+    losses = train_pipeline(pipe, wl, 3, "adam", 0.01)
+    assert_matches_single_process(pipe, losses, wl, "adam", 0.01)
+
+
+@pytest.mark.mpi
+def test_shape_changing_stages_balanced_by_params():
+    """Stages whose activations change width (shapes inferred by the handshake), split by parameter count."""
+    comm = world()
+    pp = comm.size
+    sizes = [6, 9, 15, 7, 12, 8, 5, 10, 6][: 2 * pp + 1]
+    model_fn = lambda: mlp(sizes, activation="gelu", seed=4)  # noqa: E731
+    m = 2 * pp
+    rng = np.random.default_rng(1)
+    x, y = rng.standard_normal((2 * m, sizes[0])), rng.standard_normal((2 * m, sizes[-1]))
+    pipe = PipelineParallel(model_fn(), comm, m, schedule="1f1b", balance="params")
+    opt = make_optimizer("sgd", pipe.parameters(), 0.05)
+    ref = model_fn()
+    ref_opt = make_optimizer("sgd", ref.parameters(), 0.05)
+    for _ in range(2):
+        loss = pipe.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+        out, ctx = ref.forward(x)
+        ref_loss, g = mse_loss(out, y)
+        ref.backward(g, ctx)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+    full = pipe.full_state_dict()
+    for n, p in ref.named_parameters():
+        np.testing.assert_allclose(full[n], p.data, rtol=RTOL, atol=1e-14)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_interleaved_with_fewer_micro_batches_than_stages_is_rejected():
+    comm = world()
+    wl = Workload(num_layers=4 * comm.size, d_model=12, d_hidden=24, global_batch=8)
+    with pytest.raises(ConfigError, match="num_micro_batches >= pp"):
+        PipelineParallel(wl.model(), comm, comm.size - 1, schedule="interleaved-1f1b", virtual_stages=2)
+    with pytest.raises(ConfigError, match=r"num_layers % \(pp\*virtual_stages\) == 0"):
+        PipelineParallel(Workload(num_layers=2 * comm.size + 1).model(), comm, comm.size)

@@ -1,0 +1,143 @@
+"""``mpcomm-train`` in-process: every data-parallel engine reproduces ``--engine single``; bad layouts raise.
+
+    timeout 600 mpiexec -n 2 python -m pytest -q --with-mpi -m mpi tests/test_train.py     (also -n 1, 3, 4)
+    python -m pytest -q tests/test_train.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpcomm.errors import ConfigError
+from mpcomm.train import build_parser, resolve_layout
+
+COMMON = ["--steps", "3", "--global-batch", "12", "--layers", "3", "--d-model", "8", "--d-hidden", "16"]
+
+
+def layout(argv, world):
+    return resolve_layout(build_parser().parse_args(argv), world)
+
+
+# ------------------------------------------------------------------------------------------------ pure
+
+def test_layout_defaults_and_constraints():
+    assert layout(["--engine", "single"], 4) == (1, 1, 1)
+    assert layout(["--engine", "ddp", "--global-batch", "12"], 3) == (3, 1, 1)
+    assert layout(["--engine", "fsdp", "--dp", "2"], 2) == (2, 1, 1)
+    assert layout(["--engine", "pipeline"], 4) == (1, 1, 4)
+    assert layout(["--engine", "tp"], 2) == (1, 2, 1)
+    assert layout(["--engine", "3d", "--dp", "2", "--tp", "2"], 4) == (2, 2, 1)
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp == world.*dp=2 \* tp=1 \* pp=1 = 2 != world 4"):
+        layout(["--engine", "ddp", "--dp", "2"], 4)
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp == world.*= 8 != world 4"):
+        layout(["--engine", "3d", "--dp", "2", "--tp", "2", "--pp", "2"], 4)
+    with pytest.raises(ConfigError, match="tp and pp must be 1"):
+        layout(["--engine", "ddp", "--tp", "2"], 2)
+    with pytest.raises(ConfigError, match="--engine 3d needs"):
+        layout(["--engine", "3d"], 4)
+    with pytest.raises(ConfigError, match="divisible by dp=3"):
+        layout(["--engine", "ddp", "--global-batch", "16"], 3)
+    with pytest.raises(ConfigError, match="--steps must be >= 1"):
+        layout(["--engine", "single", "--steps", "0"], 1)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--engine", "zero"])
+
+
+def test_recompute_wrapper_keeps_names_and_gradients():
+    from mpcomm.train import with_recompute
+    from mpcomm.workload import Workload
+    import mpcomm.nn as nn
+    wl = Workload(num_layers=2, d_model=4, d_hidden=8, global_batch=6)
+    plain, wrapped = wl.model(), with_recompute(wl.model())
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in wrapped.named_parameters()]
+    x, y = wl.batch(0)
+    for m in (plain, wrapped):
+        pred, ctx = m.forward(x)
+        m.backward(nn.mse_loss(pred, y)[1], ctx)
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        np.testing.assert_array_equal(p.grad, q.grad)
+
+
+def test_module_entry_point_runs_single(tmp_path):
+    out = tmp_path / "single.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "mpcomm.train", "--engine", "single", "--json", str(out), *COMMON],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "where the time went" in proc.stdout and "step    2" in proc.stdout
+    data = json.loads(out.read_text())
+    assert len(data["losses"]) == 3 and data["engine"] == "single" and data["world"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ MPI
+
+@pytest.fixture(scope="module")
+def world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def shared_path(world, tmp_path, name):
+    """One path for every rank (rank 0's tmp dir), so rank 0 writes the JSON and everyone reads it."""
+    return world.bcast(str(tmp_path / name) if world.Get_rank() == 0 else None, root=0)
+
+
+@pytest.fixture(scope="module")
+def single(world, tmp_path_factory):
+    from mpcomm.train import main
+    path = world.bcast(str(tmp_path_factory.mktemp("single") / "s.json") if world.Get_rank() == 0 else None)
+    assert main(["--engine", "single", "--json", path, *COMMON]) == 0
+    world.Barrier()
+    return path
+
+
+def load(world, path):
+    world.Barrier()
+    with open(path) as fh:
+        return json.load(fh)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("extra", [[], ["--bucket-cap-mb", "0.0005"], ["--optimizer", "adam"], ["--recompute"],
+                                   ["--dtype", "float32"]], ids=["default", "tiny-buckets", "adam", "recompute",
+                                                                  "float32"])
+def test_ddp_cli_equals_single(world, tmp_path, extra):
+    from mpcomm.train import main
+    ref_path = shared_path(world, tmp_path, "ref.json")
+    path = shared_path(world, tmp_path, "ddp.json")
+    assert main(["--engine", "single", "--json", ref_path, *COMMON, *extra]) == 0
+    assert main(["--engine", "ddp", "--json", path, *COMMON, *extra]) == 0
+    ref, got = load(world, ref_path), load(world, path)
+    rtol = 1e-5 if "float32" in extra else 1e-10
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=rtol)
+    np.testing.assert_allclose(got["param_checksum"], ref["param_checksum"], rtol=rtol)
+    assert (got["engine"], got["world"], got["dp"], got["tp"], got["pp"]) == ("ddp", world.Get_size(),
+                                                                              world.Get_size(), 1, 1)
+    assert {"compute", "communication", "other", "total"} <= set(got["timing"])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
+def test_fsdp_cli_equals_single(world, tmp_path, single, strategy):
+    pytest.importorskip("mpcomm.parallel.fsdp")
+    from mpcomm.train import main
+    path = shared_path(world, tmp_path, "fsdp.json")
+    assert main(["--engine", "fsdp", "--fsdp-strategy", strategy, "--json", path, *COMMON]) == 0
+    ref, got = load(world, single), load(world, path)
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-10)
+    np.testing.assert_allclose(got["param_checksum"], ref["param_checksum"], rtol=1e-10)
+
+
+@pytest.mark.mpi
+def test_bad_layout_raises_config_error_on_every_rank(world):
+    from mpcomm.train import run
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp == world"):
+        run(["--engine", "ddp", "--dp", str(world.Get_size() + 1), *COMMON])
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp == world"):
+        run(["--engine", "3d", "--dp", "1", "--tp", "1", "--pp", str(world.Get_size() + 1), *COMMON])
+    world.Barrier()
