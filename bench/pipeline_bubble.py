@@ -3,12 +3,20 @@
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 900 mpiexec -n P python bench/pipeline_bubble.py [--quick]
 
 Runs with pp = P (the whole world) a compute-heavy stack of TransformerMLPBlocks through PipelineParallel for
-gpipe, 1f1b and interleaved-1f1b (v=2) at several micro-batch counts, and records per rank and step:
+gpipe, 1f1b and interleaved-1f1b (v=2) at several micro-batch counts and two model widths (``--widths``; the
+narrow one makes chunks of ~4 ms, the wide one ~13 ms on the 2-core dev VM, so the fixed cost of each hand-off
+between stages shows against the first and not the second), and records per rank and step:
 compute (F + B time), blocked-in-receive time and total.  The measured bubble of a step is
 ``1 - sum_r compute_r / (P * max_r total_r)`` (the idle share of the P x makespan rectangle, as
-``schedules.Timeline.bubble_fraction`` defines it), averaged over the timed steps; it is compared with
+``schedules.Timeline.bubble_fraction`` defines it); the median over the timed steps is reported (every step's value
+is in the JSON), since a shared VM's hiccups land on single steps; it is compared with
 ``bubble_fraction_theory(P, m, v) = (P-1)/(v*m+P-1)`` and with ``simulate_timeline`` fed the measured mean F and B
 times of one chunk (the theory assumes equal F and B; the simulation uses the real ratio, zero latency).
+
+glibc returns freed memory to the OS (heap trim, mmap for blocks over 128 KiB by default); every step then
+page-faults its activations back in, more on some ranks than others, which shows as imbalance. Like the
+allocator advice of PyTorch's CPU performance guides (jemalloc/tcmalloc), the benchmark keeps freed memory in the
+process (``mallopt`` M_TRIM_THRESHOLD / M_MMAP_THRESHOLD, glibc only); ``--malloc-default`` measures without it.
 
 Each run writes ``bench/results/pipeline_bubble_pp{P}.json`` and regenerates ``bench/results/pipeline_bubble.md``
 from every JSON present.  Honest caveat: with more ranks than cores (4 ranks on a 2-core machine) ranks share
@@ -17,6 +25,7 @@ cores, so an "idle" rank is partly just descheduled and compute times stretch â€
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import json
 import os
@@ -35,16 +44,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
 
-def run_case(comm, schedule: str, v: int, m: int, args) -> dict:
+def keep_freed_memory() -> bool:
+    """Ask glibc not to return freed memory to the OS (see the module docstring); False where that is not glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_trim_threshold, 2**30) and mallopt(m_mmap_threshold, 2**25))
+
+
+def run_case(comm, schedule: str, v: int, m: int, d_model: int, d_hidden: int, args) -> dict:
     pp = comm.size
     layers = pp * v * args.layers_per_chunk
-    model = transformer_mlp_stack(layers, args.d_model, args.d_hidden, seed=0)
+    model = transformer_mlp_stack(layers, d_model, d_hidden, seed=0)
     pipe = PipelineParallel(model, comm, m, schedule=schedule, virtual_stages=v)
     opt = SGD(pipe.parameters(), lr=1e-4)
     rng = np.random.default_rng(0)
     rows = m * args.mb_rows
-    x = rng.standard_normal((rows, args.d_model))
-    y = rng.standard_normal((rows, args.d_model))
+    x = rng.standard_normal((rows, d_model))
+    y = rng.standard_normal((rows, d_model))
     per_step = []
     for step in range(args.warmup + args.steps):
         comm.barrier()
@@ -58,13 +78,14 @@ def run_case(comm, schedule: str, v: int, m: int, args) -> dict:
             comm.all_gather(row, table)
             per_step.append(table)
     steps = np.stack(per_step)  # (steps, pp, 5)
-    measured = float(np.mean([1 - s[:, 0].sum() / (pp * s[:, 2].max()) for s in steps]))
+    per_step_bubble = [1 - s[:, 0].sum() / (pp * s[:, 2].max()) for s in steps]
+    measured = float(np.median(per_step_bubble))
     t_f = float(steps[:, :, 3].sum() / (steps.shape[0] * pp * v * m))  # mean time of one chunk forward
     t_b = float(steps[:, :, 4].sum() / (steps.shape[0] * pp * v * m))
     sim = simulate_timeline(make_schedule(schedule, pp, m, v), t_f=t_f, t_b=t_b).bubble_fraction
-    return {"pp": pp, "schedule": schedule, "v": v, "m": m, "layers": layers, "d_model": args.d_model,
-            "d_hidden": args.d_hidden, "mb_rows": args.mb_rows, "steps": args.steps,
-            "theory": bubble_fraction_theory(pp, m, v), "simulated": sim, "measured": measured,
+    return {"pp": pp, "schedule": schedule, "v": v, "m": m, "layers": layers, "d_model": d_model,
+            "d_hidden": d_hidden, "mb_rows": args.mb_rows, "steps": args.steps,
+            "theory": bubble_fraction_theory(pp, m, v), "simulated": sim, "measured": measured, "measured_per_step": [float(b) for b in per_step_bubble],
             "t_f_ms": 1e3 * t_f, "t_b_ms": 1e3 * t_b,
             "step_s": float(steps[:, :, 2].max(axis=1).mean()),
             "compute_s_per_rank": [float(c) for c in steps[:, :, 0].mean(axis=0)],
@@ -77,23 +98,28 @@ def write_markdown() -> str:
         with open(path) as f:
             runs.append(json.load(f))
     lines = ["# Pipeline bubble: measured vs theory", "",
+             "Command: `OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 900 mpiexec -n P python "
+             "bench/pipeline_bubble.py` (P = 2, 4).", "",
              "Generated by `bench/pipeline_bubble.py` (see its docstring for the method). Bubble = idle share of the",
-             "P x makespan rectangle, `1 - sum_r compute_r / (P * max_r step_time_r)`, mean over the timed steps.",
+             "P x makespan rectangle, `1 - sum_r compute_r / (P * max_r step_time_r)`, median over the timed steps.",
              "`theory` = (P-1)/(v*m+P-1) (equal F and B); `simulated` = `simulate_timeline` of the same action lists",
              "with the measured mean chunk F and B times (real B/F ratio, zero latency); `measured` = from the run.",
              ""]
     for run in runs:
         meta = run["meta"]
-        lines += [f"## pp = {meta['pp']} ({meta['cores']} cores on this machine; {meta['platform']})", ""]
+        lines += [f"## pp = {meta['pp']} ({meta['cores']} cores on this machine; {meta['platform']}; "
+                  f"glibc keeps freed memory: {meta.get('keep_freed_memory', False)})", ""]
         if meta["pp"] > meta["cores"]:
             lines += [f"**Oversubscribed: {meta['pp']} ranks on {meta['cores']} cores.** Ranks share cores, so "
                       "compute times stretch and idle time is partly time descheduled; these rows do not measure "
                       "the schedule's bubble faithfully.", ""]
-        lines += ["| schedule | v | m | layers | theory | simulated | measured | F ms | B ms | step s |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| width | schedule | v | m | layers | theory | simulated | measured | measured / theory | "
+                  "F ms | B ms | step s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in run["cases"]:
-            lines.append(f"| {c['schedule']} | {c['v']} | {c['m']} | {c['layers']} | {c['theory']:.3f} | "
-                         f"{c['simulated']:.3f} | {c['measured']:.3f} | {c['t_f_ms']:.2f} | {c['t_b_ms']:.2f} | "
+            lines.append(f"| {c['d_model']}x{c['d_hidden']} | {c['schedule']} | {c['v']} | {c['m']} | {c['layers']} | "
+                         f"{c['theory']:.3f} | {c['simulated']:.3f} | {c['measured']:.3f} | "
+                         f"{c['measured'] / c['theory']:.2f} | {c['t_f_ms']:.2f} | {c['t_b_ms']:.2f} | "
                          f"{c['step_s']:.3f} |")
         lines.append("")
     text = "\n".join(lines)
@@ -104,34 +130,40 @@ def write_markdown() -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-hidden", type=int, default=1024)
+    p.add_argument("--widths", default="256x1024,512x2048",
+                   help="comma list of d_model x d_hidden of the TransformerMLPBlocks")
     p.add_argument("--mb-rows", type=int, default=64)
     p.add_argument("--layers-per-chunk", type=int, default=2)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--micro-batches", default=None, help="comma list of multiples of pp (default 1,2,4)")
+    p.add_argument("--malloc-default", action="store_true",
+                   help="leave glibc's malloc settings alone (freed memory goes back to the OS)")
     p.add_argument("--quick", action="store_true", help="small model, 1 step (smoke test)")
     args = p.parse_args(argv)
     if args.quick:
-        args.d_model, args.d_hidden, args.mb_rows, args.steps = 32, 64, 8, 1
+        args.widths, args.mb_rows, args.steps = "32x64", 8, 1
+    widths = [tuple(int(n) for n in w.split("x")) for w in args.widths.split(",")]
+    kept = False if args.malloc_default else keep_freed_memory()
     comm = Communicator()
     pp = comm.size
     factors = [int(f) for f in args.micro_batches.split(",")] if args.micro_batches else [1, 2, 4]
     cases = []
-    for f in factors:
-        m = f * pp
-        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)):
-            t0 = time.perf_counter()
-            c = run_case(comm, schedule, v, m, args)
-            cases.append(c)
-            if comm.rank == 0:
-                print(f"pp={pp} {schedule:17s} v={v} m={m:3d}: theory {c['theory']:.3f}  simulated "
-                      f"{c['simulated']:.3f}  measured {c['measured']:.3f}  (F {c['t_f_ms']:.2f} ms, "
-                      f"B {c['t_b_ms']:.2f} ms, {time.perf_counter() - t0:.1f} s)", flush=True)
+    for d_model, d_hidden in widths:
+        for f in factors:
+            m = f * pp
+            for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)):
+                t0 = time.perf_counter()
+                c = run_case(comm, schedule, v, m, d_model, d_hidden, args)
+                cases.append(c)
+                if comm.rank == 0:
+                    print(f"pp={pp} {d_model}x{d_hidden} {schedule:17s} v={v} m={m:3d}: theory {c['theory']:.3f}  "
+                          f"simulated {c['simulated']:.3f}  measured {c['measured']:.3f}  (F {c['t_f_ms']:.2f} ms, "
+                          f"B {c['t_b_ms']:.2f} ms, {time.perf_counter() - t0:.1f} s)", flush=True)
     if comm.rank == 0 and not args.quick:
         meta = {"pp": pp, "cores": os.cpu_count(), "platform": platform.platform(),
-                "threads": os.environ.get("OMP_NUM_THREADS", "unset"), "python": sys.version.split()[0]}
+                "threads": os.environ.get("OMP_NUM_THREADS", "unset"), "python": sys.version.split()[0],
+                "keep_freed_memory": kept}
         os.makedirs(RESULTS, exist_ok=True)
         with open(os.path.join(RESULTS, f"pipeline_bubble_pp{pp}.json"), "w") as f:
             json.dump({"meta": meta, "cases": cases}, f, indent=1)

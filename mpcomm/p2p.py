@@ -15,16 +15,33 @@ from .errors import MpcommError
 from .transport import Transport
 from .work import RequestWork
 
-_DTYPE_NAMES = {zlib.crc32(np.dtype(d).name.encode()): np.dtype(d).name for d in SUPPORTED_DTYPES}
+_CODES = {np.dtype(d): zlib.crc32(np.dtype(d).name.encode()) for d in SUPPORTED_DTYPES}
+_DTYPE_NAMES = {code: np.dtype(d).name for d, code in _CODES.items()}
 
 
 def _header(array) -> np.ndarray:
-    return np.array([zlib.crc32(array.dtype.name.encode()), array.nbytes, array.size], dtype=np.int64)
+    dtype = array.dtype
+    code = _CODES.get(dtype)
+    if code is None:
+        code = zlib.crc32(dtype.name.encode())
+    return np.array([code, array.nbytes, array.size], dtype=np.int64)
 
 
 def _describe(header: np.ndarray) -> str:
     code, nbytes, count = (int(x) for x in header)
     return f"{count} elements of {_DTYPE_NAMES.get(code, 'dtype#%d' % code)} ({nbytes} B)"
+
+
+class _Operation:
+    """``"send of 10 elements of float64 (80 B) to rank 1 (tag 0)"``, formatted only when an error needs it."""
+
+    __slots__ = ("verb", "header", "where", "peer", "tag")
+
+    def __init__(self, verb: str, header: np.ndarray, where: str, peer: int, tag: int):
+        self.verb, self.header, self.where, self.peer, self.tag = verb, header, where, peer, tag
+
+    def __str__(self) -> str:
+        return f"{self.verb} of {_describe(self.header)} {self.where} rank {self.peer} (tag {self.tag})"
 
 
 def check_peer(t: Transport, peer: int, role: str, operation: str) -> None:
@@ -42,10 +59,9 @@ def isend(t: Transport, buf, dst: int, tag: int = 0) -> RequestWork:
         payload = array.copy().reshape(-1)
     header = _header(payload)
     requests = [t.isend(header, dst, tag), t.isend(payload, dst, tag)]
-    operation = f"send of {_describe(header)} to rank {dst} (tag {tag})"
 
     def complete(timeout):
-        with t.running(operation):
+        with t.running(_Operation("send", header, "to", dst, tag)):
             t.wait(requests, (dst, dst), timeout=timeout)
         payload.size  # keep the payload alive until the send completes
 
@@ -61,9 +77,9 @@ def irecv(t: Transport, buf, src: int, tag: int = 0) -> RequestWork:
     header = np.zeros(3, dtype=np.int64)
     requests = [t.irecv(header, src, tag), t.irecv(payload, src, tag)]
     expected = _header(payload)
-    operation = f"recv of {_describe(expected)} from rank {src} (tag {tag})"
 
     def complete(timeout):
+        operation = _Operation("recv", expected, "from", src, tag)
         with t.running(operation):
             try:
                 t.wait(requests, (src, src), (expected.nbytes, None), timeout=timeout)
@@ -71,7 +87,7 @@ def irecv(t: Transport, buf, src: int, tag: int = 0) -> RequestWork:
                 if header.any():
                     raise _mismatch(operation, header) from None
                 raise exc
-        if not np.array_equal(header, expected):
+        if not (header[0] == expected[0] and header[1] == expected[1] and header[2] == expected[2]):
             raise _mismatch(operation, header)
         if target is None:
             array[...] = payload.reshape(array.shape)

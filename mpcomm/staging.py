@@ -96,6 +96,8 @@ def for_arrays(t, operation: str, *arrays):
 
 def for_buffers(t, operation: str, *objects):
     """:func:`for_arrays` on user objects (anything :func:`mpcomm.buffers.as_array` accepts)."""
+    if all(type(o) is np.ndarray for o in objects):  # the common case, on every message: plain host arrays
+        return t
     return for_arrays(t, operation, *(as_array(o, operation) for o in objects))
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from typing import Sequence
 
 import numpy as np
@@ -37,14 +36,9 @@ class Transport:
         self._uniform: bool | None = None
 
     # ------------------------------------------------------------------ context for error messages
-    @contextmanager
-    def running(self, operation: str):
-        """Name the operation in progress, so that errors raised underneath can say what was running."""
-        previous, self.operation = self.operation, operation
-        try:
-            yield self
-        finally:
-            self.operation = previous
+    def running(self, operation: str) -> "_Running":
+        """Name the operation in progress (a ``with`` block), so that errors raised underneath can say what ran."""
+        return _Running(self, operation)
 
     # ------------------------------------------------------------------ scratch memory
     def scratch(self, slot: str, count: int, dtype, like=None):
@@ -170,6 +164,22 @@ class Transport:
                         except MPI.Exception:
                             pass
                 raise CommTimeoutError(self.operation, peers, now - start, timeout, self.rank)
+
+
+class _Running:
+    """Context manager of :meth:`Transport.running` (a class: it is entered on every message)."""
+
+    __slots__ = ("transport", "operation", "previous")
+
+    def __init__(self, transport: Transport, operation: str):
+        self.transport, self.operation = transport, operation
+
+    def __enter__(self) -> Transport:
+        self.previous, self.transport.operation = self.transport.operation, self.operation
+        return self.transport
+
+    def __exit__(self, *exc) -> None:
+        self.transport.operation = self.previous
 
 
 def _error_text(code: int) -> str:

@@ -39,7 +39,7 @@ materialised as zeros while the rank is blocked in a receive that has not arrive
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -186,6 +186,7 @@ class PipelineParallel:
                               f"stages or micro-batches")
         self._shapes: dict[int, tuple[tuple, Any, tuple, Any]] | None = None  # stage -> (in shape, dtype, out...)
         self._in_key = None
+        self._recvs: list | None = None  # see _receive_plan
         self.trace: list | None = None  # set to a list to record (label, t0, t1) per action (perf_counter)
         self.timing = {"compute": 0.0, "comm_wait": 0.0, "bubble": 0.0, "total": 0.0, "steps": 0}
         self.last_timing: dict[str, float] = {}
@@ -248,7 +249,27 @@ class PipelineParallel:
 
     # ---------------------------------------------------------------- shapes
     def reset_shapes(self) -> None:
-        self._shapes, self._in_key = None, None
+        self._shapes, self._in_key, self._recvs = None, None, None
+
+    def _receive_plan(self) -> list[tuple[tuple, Any, int, int, tuple[str, int, int]]]:
+        """``(shape, dtype, peer, tag, inbox key)`` of this rank's receive actions in order (once per shapes).
+
+        Inbox keys: forward inputs by the consuming stage, backward gradients by the producing stage.
+        """
+        if self._recvs is None:
+            plan = []
+            for a in self.actions:
+                if a.is_recv:
+                    in_shape, in_dtype, out_shape, out_dtype = self._shapes[a.stage]
+                    if a.kind == RECV_F:
+                        plan.append((in_shape, in_dtype, a.peer, message_tag(a, self.num_micro_batches, self.tag_base),
+                                     (F, a.stage, a.microbatch)))
+                    else:
+                        plan.append((out_shape, out_dtype, a.peer,
+                                     message_tag(a, self.num_micro_batches, self.tag_base),
+                                     (B, a.stage + 1, a.microbatch)))
+            self._recvs = plan
+        return self._recvs
 
     def _infer_shapes(self, first_input) -> None:
         """Stage-ordered handshake: ``(rows, *features, dtype)`` of every local stage's input and output."""
@@ -315,13 +336,11 @@ class PipelineParallel:
         if self._shapes is None:
             self._infer_shapes(xs[0] if xs is not None else None)
             self._in_key = key
-        shapes = self._shapes
         xp = _xp_of(self.chunks[self.stages[0]])
-
-        acts = self.actions
-        recv_idx = [i for i, a in enumerate(acts) if a.is_recv]
-        posted: dict[int, tuple[Any, Any]] = {}  # action index -> (work, buffer)
-        next_post = 0  # position in recv_idx
+        recvs = self._receive_plan()
+        trace = self.trace
+        posted: deque = deque()  # (work, buffer) of posted receives, in the order the actions consume them
+        next_post = 0  # index into recvs of the next receive to post
         sends: list[tuple[Any, Any]] = []
         inbox: dict[tuple[str, int, int], Any] = {}  # (F|B, stage, mb) -> received / local input
         ctxs: dict[tuple[int, int], Any] = {}
@@ -329,49 +348,50 @@ class PipelineParallel:
         loss_sum = 0.0
         t_compute = t_wait = 0.0
         t_kind = {F: 0.0, B: 0.0}
-        limit = self.max_posted_recvs
+        limit = len(recvs) if self.max_posted_recvs is None else self.max_posted_recvs
         # parameters whose .grad is None (zero_grad(set_to_none=True)): their first backward would allocate (and
         # page-fault in) fresh grad arrays on the critical path; materialise them while blocked in a receive instead
         pending_grads = [p for p in self.parameters() if p.grad is None] if pp > 1 else []
 
-        def post_ahead(i: int) -> None:
+        def post(count: int) -> None:
             nonlocal next_post
-            while next_post < len(recv_idx):
-                j = recv_idx[next_post]
-                if limit is not None and len(posted) >= limit and j != i:
-                    return
-                a = acts[j]
-                if a.kind == RECV_F:
-                    shape, dtype = shapes[a.stage][0], shapes[a.stage][1]
-                else:
-                    shape, dtype = shapes[a.stage][2], shapes[a.stage][3]
+            while count > 0 and next_post < len(recvs):
+                shape, dtype, peer, tag, _ = recvs[next_post]
                 buf = xp.empty(shape, dtype=dtype)
-                posted[j] = (self.comm.irecv(buf, a.peer, tag=message_tag(a, m, self.tag_base)), buf)
+                posted.append((self.comm.irecv(buf, peer, tag=tag), buf))
                 next_post += 1
+                count -= 1
 
-        for i, a in enumerate(acts):
+        # Everything that is not compute or a send (posting receives, releasing finished sends, faulting in grad
+        # buffers) runs while this rank waits for a message that has not arrived: the critical path between two
+        # ranks is then only "compute, isend" on one side and "receive completes, compute" on the other.
+        post(limit)
+        for a in self.actions:
             if a.is_recv:
-                post_ahead(i)
-                work, buf = posted.pop(i)
+                if not posted:
+                    post(1)
+                work, buf = posted.popleft()
+                key = recvs[next_post - len(posted) - 1][4]
                 t0 = time.perf_counter()
-                while pending_grads and not work.is_completed():
-                    _materialize_grad(pending_grads.pop())  # idle: fault in the grad buffers off the critical path
+                if not work.is_completed():
+                    post(limit - len(posted))
+                    sends = [sw for sw in sends if not sw[0].is_completed()]
+                    while pending_grads and not work.is_completed():
+                        _materialize_grad(pending_grads.pop())
                 work.wait()
                 t1 = time.perf_counter()
                 t_wait += t1 - t0
-                if self.trace is not None:
-                    self.trace.append((f"W{a.kind}{a.stage}.{a.microbatch}", t0, t1))
-                # keys: F inputs by the consuming stage, B gradients by the producing stage
-                key = (F, a.stage, a.microbatch) if a.kind == RECV_F else (B, a.stage + 1, a.microbatch)
                 inbox[key] = buf
-                post_ahead(-1)
+                if trace is not None:
+                    trace.append((f"W{a.kind}{a.stage}.{a.microbatch}", t0, t1))
                 continue
             if a.is_send:
-                data = outbox.pop((a.kind[-1], a.stage, a.microbatch))
-                data = xp.ascontiguousarray(data)
+                t0 = time.perf_counter()
+                data = xp.ascontiguousarray(outbox.pop((a.kind[-1], a.stage, a.microbatch)))
                 sends.append((self.comm.isend(data, a.peer, tag=message_tag(a, m, self.tag_base)), data))
+                if trace is not None:
+                    trace.append((f"{a.kind}{a.stage}.{a.microbatch}", t0, time.perf_counter()))
                 continue
-            post_ahead(-1)
             s, mb = a.stage, a.microbatch
             chunk = self.chunks[s]
             t0 = time.perf_counter()
@@ -400,12 +420,10 @@ class PipelineParallel:
                         outbox[(B, s, mb)] = gx
             t1 = time.perf_counter()
             dt = t1 - t0
-            if self.trace is not None:
-                self.trace.append((f"{a.kind}{s}.{mb}", t0, t1))
             t_compute += dt
             t_kind[a.kind] += dt
-            if sends:  # release finished sends (also drives MPI progress)
-                sends = [sw for sw in sends if not sw[0].is_completed()]
+            if trace is not None:
+                trace.append((f"{a.kind}{s}.{mb}", t0, t1))
 
         t0 = time.perf_counter()
         for w, _ in sends:
@@ -420,9 +438,9 @@ class PipelineParallel:
         loss = np.array([loss_sum / m], dtype=np.float64)
         if pp > 1:
             self.comm.broadcast(loss, root=(S - 1) % pp)
-        if self.trace is not None:
-            self.trace.append(("bcast", t1, time.perf_counter()))
-            self.trace.insert(0, ("start", t_start, t_start))
+        if trace is not None:
+            trace.append(("bcast", t1, time.perf_counter()))
+            trace.insert(0, ("start", t_start, t_start))
         total = time.perf_counter() - t_start
         self.last_timing = {"compute": t_compute, "comm_wait": t_wait, "bubble": total - t_compute, "total": total,
                             "forward": t_kind[F], "backward": t_kind[B]}
