@@ -12,7 +12,7 @@ MPIEXEC=${MPIEXEC:-mpiexec}
 PYTHON=${PYTHON:-python}
 mkdir -p "$OUT"
 # -n is an upper bound: each point runs at most 200 timed calls within --budget seconds (>= 1 call)
-COMMON=(--op allreduce -b 8 -e 64M -f 4 -w 5 -n 200 --budget 0.3 --dtype float32 --redop sum --check)
+COMMON=(--op allreduce -b 8 -e 64M -f 4 -w 5 -n 200 --budget 0.5 --rounds 5 --dtype float32 --redop sum --check)
 
 load_before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 commands=()
@@ -25,6 +25,7 @@ run() {  # run NAME P [extra flags...]
 }
 
 run allreduce_p2 2
+run allreduce_p2_tuned 2 --tune
 run allreduce_p4 4
 run allreduce_p4_2nodes 4 --ranks-per-node 2
 load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
@@ -46,7 +47,12 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
   echo '```'
   printf '%s\n' "${commands[@]}"
   echo '```'
-  for name in allreduce_p2 allreduce_p4 allreduce_p4_2nodes; do
+  echo
+  echo "## auto vs the best fixed algorithm (\`python bench/auto_vs_best.py\`)"
+  echo
+  "$PYTHON" bench/auto_vs_best.py "$OUT"/allreduce_p2.json "$OUT"/allreduce_p2_tuned.json "$OUT"/allreduce_p4.json \
+    "$OUT"/allreduce_p4_2nodes.json
+  for name in allreduce_p2 allreduce_p2_tuned allreduce_p4 allreduce_p4_2nodes; do
     echo
     echo "## $name"
     echo

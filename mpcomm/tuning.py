@@ -1,7 +1,7 @@
 """Calibration: time every algorithm on the live communicator and build the table ``auto`` chooses from.
 
-For each operation, message size and candidate algorithm the collective is run ``repeats`` times after a
-warm-up, each run started by a barrier; a rank's time is the median of its runs and the time of the
+For each operation and message size the candidate algorithms run round-robin, ``repeats`` rounds after a
+warm-up, each run started by a barrier; a rank's time for an algorithm is the median of its runs and the time of the
 algorithm is the largest over the ranks (the collective is as slow as its slowest rank). Rank 0 picks the
 fastest algorithm per size, fits ``seconds = alpha + beta * bytes`` per algorithm by least squares, and
 broadcasts the table, so every rank holds the same one. The table is plain JSON::
@@ -44,7 +44,7 @@ def tune(comm, sizes=DEFAULT_SIZES, repeats: int = 5, operations=("allreduce",),
         names = [a for a in REGISTRY[operation] if algorithms is None or a in algorithms]
         per_rank = [_count(operation, s, dtype, comm.size) for s in sizes]
         nbytes = [count * dtype.itemsize * _factor(operation, comm.size) for count in per_rank]
-        seconds = np.array([[_median_time(comm, operation, a, n, dtype, repeats) for n in nbytes] for a in names])
+        seconds = np.array([_median_times(comm, operation, names, n, dtype, repeats) for n in nbytes]).T
         comm.mpi.Allreduce(MPI.IN_PLACE, seconds, op=MPI.MAX)
         entry = _decide(names, nbytes, seconds) if comm.rank == 0 else None
         table["operations"][operation] = {str(dtype): comm.mpi.bcast(entry, root=0)}
@@ -129,16 +129,20 @@ def _runner(comm, operation: str, algorithm: str, nbytes: int, dtype: np.dtype):
     return lambda: comm.broadcast(buf, root=0, algorithm=algorithm)
 
 
-def _median_time(comm, operation, algorithm, nbytes, dtype, repeats) -> float:
-    run = _runner(comm, operation, algorithm, nbytes, dtype)
-    run()  # warm-up: scratch buffers, sub-communicators
-    times = []
+def _median_times(comm, operation, algorithms, nbytes, dtype, repeats) -> list[float]:
+    """Per algorithm, this rank's median time of one call, the algorithms run round-robin ``repeats`` times
+    (so load drift on a shared machine hits them alike)."""
+    runs = [_runner(comm, operation, a, nbytes, dtype) for a in algorithms]
+    for run in runs:
+        run()  # warm-up: scratch buffers, sub-communicators
+    times = [[] for _ in runs]
     for _ in range(repeats):
-        comm.barrier()
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+        for run, samples in zip(runs, times):
+            comm.barrier()
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+    return [float(np.median(samples)) for samples in times]
 
 
 def main(argv=None) -> None:

@@ -53,6 +53,17 @@ def test_check_reports_zero_wrong(operation, dtype):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("rounds, iters", [(1, 4), (3, 4), (3, 2), (5, 1)])
+def test_rounds_interleave_algorithms_within_the_iteration_cap(rounds, iters):
+    """Round-robin rounds never time more than -n calls per point, and every row still has a positive time."""
+    rows, text = bench("-b", "64", "-e", "4K", "-f", "64", "-w", "1", "-n", str(iters), "--rounds", str(rounds),
+                       "--algorithms", "ring,rhd,native,auto")
+    assert rows and all(1 <= r["iters"] <= iters and r["time_us"] > 0 for r in rows), rows
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert f"{min(rounds, iters)} round-robin rounds" in text
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("operation", ["allreduce", "reduce_scatter"])
 def test_check_every_dtype_and_redop(operation):
     rows, _ = bench("--op", operation, "--dtype", "all", "--redop", "all", "-b", "24", "-e", "24", "-w", "0", "-n", "1",
@@ -181,6 +192,7 @@ def test_count_wrong_values():
     (["--dtype", "bool", "--redop", "sum"], "no supported dtype/redop"),
     (["--root", "99"], "out of range"),
     (["--budget", "0"], "must be > 0"),
+    (["--rounds", "0"], "must be >= 1"),
 ])
 def test_bad_flags_give_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

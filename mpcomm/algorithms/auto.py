@@ -70,6 +70,10 @@ class CostModel:
     ``SEGMENT_BYTES`` segments, ``alpha_segment`` each (measured ~11 us here), and overlaps the reduction of
     one with the transfer of the next: per step ``chunk * max(beta, gamma)`` plus one segment's smaller term.
 
+    ``native_byte_scale`` multiplies the per-byte terms of ``native``: the MPI library's Allreduce is modelled as
+    rhd run in C, but MPICH's shared-memory path moved ~20% fewer bytes per second than mpcomm's ring/rhd from
+    512 KiB up in ``bench/results`` (p = 2), so without it the model kept ``native`` well past the crossover.
+
     Defaults are rough guesses for a shared-memory node and a 100 Gb/s-class network, not measurements.
     """
 
@@ -80,6 +84,7 @@ class CostModel:
     beta: float = 1 / 5e9
     beta_net: float = 1 / 10e9
     gamma: float = 1 / 8e9
+    native_byte_scale: float = 1.25
 
     # -------------------------------------------------------------- building blocks
     def _link(self, crosses: bool, alpha: float) -> tuple[float, float]:
@@ -153,7 +158,8 @@ class CostModel:
         if algorithm == "hierarchical":
             return self.hierarchical(n, layout)
         if algorithm == "native":  # MPICH's large-message allreduce is Rabenseifner's rhd, run in C
-            return self.rhd(n, layout, self.alpha_native)
+            latency = self.rhd(0.0, layout, self.alpha_native)
+            return latency + self.native_byte_scale * (self.rhd(n, layout, self.alpha_native) - latency)
         return math.inf
 
     def collective(self, operation: str, algorithm: str, nbytes: int, layout: Layout) -> float:

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma list or 'all' of: {', '.join(DTYPES)} (default float32)")
     parser.add_argument("--redop", type=_names, default=["sum"],
                         help=f"comma list or 'all' of: {', '.join(REDOPS)} (default sum; ignored by non-reducing ops)")
+    parser.add_argument("--rounds", type=_positive_int(1), default=3,
+                        help="round-robin blocks per point; each algorithm reports its median block (default 3; "
+                             "1 = one nccl-tests block)")
     parser.add_argument("--check", action="store_true",
                         help="verify every result bitwise against a numpy reference and across ranks; count #wrong")
     parser.add_argument("--json", metavar="FILE", help="write the rows as a JSON list of objects")
@@ -164,7 +167,7 @@ def make_plan(parser: argparse.ArgumentParser, args: argparse.Namespace, world_s
             parser.error("--plot needs matplotlib (pip install mpcomm[plot])")
     return Plan(
         operation=args.op, algorithms=algorithms, sizes=sizes(args.minbytes, args.maxbytes, args.stepfactor),
-        combos=combos, warmup=args.warmup, iters=args.iters, budget=args.budget, check=args.check,
+        combos=combos, warmup=args.warmup, iters=args.iters, budget=args.budget, rounds=min(args.rounds, args.iters), check=args.check,
         root=args.root, seed=args.seed, skipped=skipped,
     )
 
@@ -227,10 +230,11 @@ def tune(comm, plan: Plan) -> str:
 
     if plan.operation not in REGISTRY:
         return f"# --tune: {plan.operation} has no algorithm choice; nothing to tune"
-    wanted = {"operations": (plan.operation,), "dtype": str(plan.combos[0][0])}
+    wanted = {"operations": (plan.operation,), "dtype": str(plan.combos[0][0]), "sizes": plan.sizes}
     accepted = inspect.signature(comm.tune).parameters
     comm.tune(**{k: v for k, v in wanted.items() if k in accepted})
-    return f"# tuned: comm.tune() measured {plan.operation} ({wanted['dtype']}) for the auto selector"
+    return (f"# tuned: comm.tune() measured {plan.operation} ({wanted['dtype']}) at the sweep's sizes for the auto "
+            "selector")
 
 
 def describe(comm, args, plan: Plan, memcpy_gbps: float, memcpy_bytes: int) -> dict:
@@ -261,6 +265,7 @@ def describe(comm, args, plan: Plan, memcpy_gbps: float, memcpy_bytes: int) -> d
         "warmup": plan.warmup,
         "iters": plan.iters,
         "budget": plan.budget,
+        "rounds": plan.rounds,
         "check": plan.check,
         "memcpy_GBps": memcpy_gbps,
         "memcpy_bytes": memcpy_bytes,

@@ -1,7 +1,9 @@
 """The shared driver: size sweep, warm-up, timing, correctness check and rows, for every collective.
 
-Timing follows nccl-tests: a barrier before each timed block, ``iters`` back-to-back calls, the per-call
-time of a rank is the mean over the block, and the reported time is the maximum over ranks.
+Timing follows nccl-tests within a block: a barrier before it, back-to-back calls, the per-call time of a
+rank is the mean over the block, and the block's time is the maximum over ranks.  The algorithms of one point
+are timed in ``rounds`` round-robin blocks and each reports its median block, so load drift on a shared machine
+hits every algorithm alike (``rounds=1`` is exactly nccl-tests).
 ``iters`` is an upper bound: a warm-up measures the per-call time (maximum over ranks, so every rank
 agrees) and the block is shortened to fit ``budget`` seconds, at least one call, so large sizes stay quick.
 """
@@ -55,6 +57,7 @@ class Plan:
     warmup: int = 5
     iters: int = 20
     budget: float = 1.0
+    rounds: int = 3
     check: bool = False
     root: int = 0
     seed: int = 1234
@@ -148,13 +151,13 @@ def sweep(comm, plan: Plan, on_rows: Callable[[list[dict]], None] | None = None,
             case = cls(comm, count, dtype, redop if cls.reduces else "sum", plan.root, plan.seed)
             results: dict[str, dict] = {}
             try:
+                timings = _interleaved_timings(case, order, world, plan)
                 for algorithm in order:
                     if progress is not None:
                         progress(done, total, f"{plan.operation} {size} B {dtype} {redop} {algorithm}")
-                    timing = time_calls(lambda: case.step(algorithm), world, plan.warmup, plan.iters, plan.budget)
                     wrong, identical = case.check(algorithm) if plan.check else (None, None)
-                    results[algorithm] = _row(plan, cls, comm, size, count, dtype, redop, algorithm, timing,
-                                              wrong, identical)
+                    results[algorithm] = _row(plan, cls, comm, size, count, dtype, redop, algorithm,
+                                              timings[algorithm], wrong, identical)
                     done += 1
             finally:
                 case.close()
@@ -168,6 +171,28 @@ def sweep(comm, plan: Plan, on_rows: Callable[[list[dict]], None] | None = None,
             if on_rows is not None:
                 on_rows(block)
     return rows
+
+
+def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Plan) -> dict[str, Timing]:
+    """Time every algorithm of one point in ``plan.rounds`` round-robin rounds; per algorithm the median round.
+
+    Each round is an nccl-tests block (:func:`time_calls`) with ``budget / rounds`` seconds; the first round
+    warms up and fixes the block length the later rounds reuse.  Round-robin puts every algorithm under the
+    same load drift of a shared machine, so two algorithms that are really equal also measure equal.
+    """
+    rounds = max(1, min(plan.rounds, plan.iters))  # -n stays the most timed calls in all
+    blocks: dict[str, list[Timing]] = {a: [] for a in algorithms}
+    for r in range(rounds):
+        for algorithm in algorithms:
+            def step(algorithm=algorithm):
+                case.step(algorithm)
+            if r == 0:
+                timing = time_calls(step, world, plan.warmup, plan.iters // rounds, plan.budget / rounds)
+            else:
+                timing = time_calls(step, world, 0, blocks[algorithm][0].iters, plan.budget / rounds)
+            blocks[algorithm].append(timing)
+    return {a: Timing(float(np.median([t.seconds for t in ts])), sum(t.iters for t in ts), ts[0].warmup)
+            for a, ts in blocks.items()}
 
 
 def _row(plan, cls, comm, size, count, dtype, redop, algorithm, timing: Timing, wrong, identical) -> dict:

@@ -29,12 +29,13 @@ def header_lines(meta: dict) -> list[str]:
         f"# algorithms {','.join(meta['algorithms'])}" + ("   (native always timed: it is the vs_native baseline)"
                                                           if meta.get("native_added") else ""),
         f"# sizes {human_bytes(meta['minbytes'])} .. {human_bytes(meta['maxbytes'])} (x{meta['stepfactor']})   "
-        f"warmup <= {meta['warmup']}   iters <= {meta['iters']} within {meta['budget']:g} s per point   "
+        f"warmup <= {meta['warmup']}   iters <= {meta['iters']} within {meta['budget']:g} s per point in "
+        f"{meta.get('rounds', 1)} round-robin rounds   "
         f"check {'on' if meta['check'] else 'off'}",
         f"# memcpy {meta['memcpy_GBps']:.2f} GB/s (numpy copy of {human_bytes(meta['memcpy_bytes'])} on rank 0): "
         "the intra-node physical ceiling",
         "# size: bytes of the full buffer; count: elements (per rank for reduce_scatter / all_gather), as nccl-tests",
-        "# time: max over ranks of the mean per-call time; busbw = algbw * "
+        "# time: median over rounds of (max over ranks of the mean per-call time); busbw = algbw * "
         f"{meta['busbw_formula']}; vs_native = native time / this time (>1: faster than native)",
     ]
     if meta.get("skipped"):
