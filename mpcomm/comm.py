@@ -34,7 +34,7 @@ from .buffers import (
     wire_dtype,
 )
 from .errors import CollectiveMismatchError
-from .transport import Transport, split_node
+from .transport import Transport, ranks_per_core, split_node
 from .work import FutureWork, Work
 
 _SIGNATURE_BYTES = 256
@@ -76,6 +76,7 @@ class Communicator:
         self.node_rank, self.node_size = node.Get_rank(), node.Get_size()
         self.num_nodes = self.mpi.allreduce(1 if self.node_rank == 0 else 0)
         node.Free()
+        self.ranks_per_core = ranks_per_core(self.mpi)  # > 1: ranks share cores (the auto model accounts for it)
         self._sync = Transport(self.mpi.Dup(), self.timeout, self.ranks_per_node)
         self._p2p = Transport(self.mpi.Dup(), self.timeout)
         # Made here, not on first use: Dup is collective, and starting a non-blocking collective must not block.

@@ -197,6 +197,19 @@ def split_node(mpi_comm: MPI.Comm, ranks_per_node: int | None) -> MPI.Comm:
     return mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
 
 
+def ranks_per_core(mpi_comm: MPI.Comm) -> float:
+    """The largest ratio, over the hosts of ``mpi_comm``, of its ranks on the host to the CPUs they may run on
+    (the union of their affinity masks); above 1 the ranks share cores (collective)."""
+    host = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
+    try:
+        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cpus = set().union(*map(set, host.allgather(mine)))
+        ratio = host.Get_size() / max(1, len(cpus))
+    finally:
+        host.Free()
+    return float(mpi_comm.allreduce(ratio, op=MPI.MAX))
+
+
 def _array_module(like):
     if like is not None and type(like).__module__.split(".")[0] == "cupy":
         import cupy

@@ -1,7 +1,8 @@
 """Calibration: time every algorithm on the live communicator and build the table ``auto`` chooses from.
 
 For each operation and message size the candidate algorithms run round-robin, ``repeats`` rounds after a
-warm-up, each run started by a barrier; a rank's time for an algorithm is the median of its runs and the time of the
+warm-up, each round a barrier then a block of calls of about a millisecond; a rank's time for an algorithm is
+the median of its rounds' per-call times and the time of the
 algorithm is the largest over the ranks (the collective is as slow as its slowest rank). Rank 0 picks the
 fastest algorithm per size, fits ``seconds = alpha + beta * bytes`` per algorithm by least squares, and
 broadcasts the table, so every rank holds the same one. The table is plain JSON::
@@ -129,19 +130,28 @@ def _runner(comm, operation: str, algorithm: str, nbytes: int, dtype: np.dtype):
     return lambda: comm.broadcast(buf, root=0, algorithm=algorithm)
 
 
-def _median_times(comm, operation, algorithms, nbytes, dtype, repeats) -> list[float]:
-    """Per algorithm, this rank's median time of one call, the algorithms run round-robin ``repeats`` times
-    (so load drift on a shared machine hits them alike)."""
+def _median_times(comm, operation, algorithms, nbytes, dtype, repeats, block_seconds: float = 1e-3) -> list[float]:
+    """Per algorithm, this rank's median per-call time. The algorithms run round-robin, ``repeats`` rounds, so
+    load drift on a shared machine hits them alike; each round times a block of calls lasting about
+    ``block_seconds`` (at least one call; the same count on every rank), which steadies small messages."""
     runs = [_runner(comm, operation, a, nbytes, dtype) for a in algorithms]
+    calls = []
     for run in runs:
         run()  # warm-up: scratch buffers, sub-communicators
+        comm.barrier()
+        start = time.perf_counter()
+        run()
+        once = np.array([time.perf_counter() - start])
+        comm.mpi.Allreduce(MPI.IN_PLACE, once, op=MPI.MAX)
+        calls.append(int(min(50, max(1, block_seconds // max(once[0], 1e-9)))))
     times = [[] for _ in runs]
     for _ in range(repeats):
-        for run, samples in zip(runs, times):
+        for run, count, samples in zip(runs, calls, times):
             comm.barrier()
             start = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - start)
+            for _ in range(count):
+                run()
+            samples.append((time.perf_counter() - start) / count)
     return [float(np.median(samples)) for samples in times]
 
 

@@ -218,3 +218,29 @@ def test_cost_model_shapes():
         assert starts == sorted(starts) and regions[0][0] == 8
         assert all(a != b for (_, a), (_, b) in zip(regions, regions[1:]))
 
+
+
+def test_oversubscribed_hosts_prefer_fewer_steps():
+    """With 2 ranks per core nothing overlaps and every step waits for a peer to be scheduled: the model moves
+    large messages from the pipelined ring (2(p-1) steps, many segments) to rhd (2 log p steps)."""
+    candidates = {"allreduce": ("ring", "ring_pipelined", "rhd", "tree", "native")}
+    own_cores = Selector(Layout(4, (4,)), candidates)
+    shared = Selector(Layout(4, (4,), ranks_per_core=2.0), candidates)
+    assert own_cores.predict("allreduce", 2**26) == "ring_pipelined"
+    assert shared.predict("allreduce", 2**26) == "rhd"
+    assert shared.predict("allreduce", 8) == own_cores.predict("allreduce", 8) == "native"
+    assert CostModel().for_layout(Layout(4, (4,))) == CostModel()
+    assert Layout(4, (4,), ranks_per_core=2.0) == Layout(4, (4,))  # a property of the host, not of the shape
+
+
+@pytest.mark.mpi
+def test_ranks_per_core_is_measured_and_agreed(comm):
+    """At least the ranks of this host over its CPUs (the union of affinities is at most the host's CPUs),
+    identical on every rank, and carried into the selector's layout."""
+    import os
+
+    ratio = comm.ranks_per_core
+    assert comm.ranks_per_node is None  # so comm.node_size counts this host's ranks
+    assert ratio >= comm.node_size / (os.cpu_count() or 1) - 1e-12
+    assert_identical_across_ranks(np.array([ratio]), "ranks_per_core")
+    assert comm.selector.layout.ranks_per_core == max(1.0, ratio)

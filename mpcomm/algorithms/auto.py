@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -27,6 +27,9 @@ class Layout:
 
     size: int
     node_sizes: tuple[int, ...]
+    # > 1: more ranks than cores on a host; a property of where the job runs, not of its shape (so not compared,
+    # and not part of a tuning table's layout)
+    ranks_per_core: float = field(default=1.0, compare=False)
 
     @property
     def num_nodes(self) -> int:
@@ -45,7 +48,7 @@ class Layout:
     def of(cls, comm) -> "Layout":
         """The layout of a Communicator (collective: every rank must call)."""
         sizes = comm.mpi.allgather(comm.node_size if comm.node_rank == 0 else 0)
-        return cls(comm.size, tuple(s for s in sizes if s))
+        return cls(comm.size, tuple(s for s in sizes if s), max(1.0, getattr(comm, "ranks_per_core", 1.0)))
 
     @classmethod
     def blocks(cls, size: int, ranks_per_node: int) -> "Layout":
@@ -85,6 +88,18 @@ class CostModel:
     beta_net: float = 1 / 10e9
     gamma: float = 1 / 8e9
     native_byte_scale: float = 1.25
+    overlap: bool = True
+
+    def for_layout(self, layout: Layout) -> "CostModel":
+        """The model as it applies on ``layout``. With more ranks than cores (``ranks_per_core`` r > 1) every
+        step waits for its peer to be scheduled (alphas x r) and nothing overlaps: no core is free to move one
+        segment while this rank reduces another (measured at p = 4 on 2 cores: rhd's 2 log p steps beat the
+        (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring wins)."""
+        r = layout.ranks_per_core
+        if r <= 1:
+            return self
+        return replace(self, alpha_py=self.alpha_py * r, alpha_native=self.alpha_native * r,
+                       alpha_segment=self.alpha_segment * r, overlap=False)
 
     # -------------------------------------------------------------- building blocks
     def _link(self, crosses: bool, alpha: float) -> tuple[float, float]:
@@ -98,7 +113,10 @@ class CostModel:
         if segment is None:
             return gather + (p - 1) * (a + chunk * (b + self.gamma))
         pieces = max(1, math.ceil(chunk / segment))
-        overlapped = chunk * max(b, self.gamma) + min(chunk, segment) * min(b, self.gamma)
+        if self.overlap:
+            overlapped = chunk * max(b, self.gamma) + min(chunk, segment) * min(b, self.gamma)
+        else:
+            overlapped = chunk * (b + self.gamma)
         step = a + (pieces - 1) * self.alpha_segment + overlapped
         return gather + (p - 1) * step
 
@@ -214,7 +232,8 @@ class Selector:
     def predict(self, operation: str, nbytes: int, candidates=None) -> str:
         """The cost model's choice."""
         names = candidates or self.candidates[operation]
-        costs = {a: self.model.collective(operation, a, nbytes, self.layout) for a in names}
+        model = self.model.for_layout(self.layout)
+        costs = {a: model.collective(operation, a, nbytes, self.layout) for a in names}
         return min(costs, key=costs.get)
 
     # -------------------------------------------------------------- calibration table
