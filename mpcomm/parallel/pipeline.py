@@ -11,10 +11,14 @@ micro-batch following this rank's list from ``with_communication(schedule(...))`
   (``loss_fn`` = mean over the micro-batch) and its gradient scaled by ``1/m`` so accumulated parameter gradients
   equal those of the full (local) batch mean.
 * ``B``: chunk backward with the received gradient (or the loss gradient on the last stage).
-* ``SEND_*``: ``comm.isend`` — the Work and its buffer are kept until completed (polled between actions,
-  drained at the end of the step).
-* ``RECV_*``: ``comm.irecv`` into a preallocated buffer, posted ahead of time (up to ``max_posted_recvs``
-  outstanding, in list order) so the transfer overlaps computation; waited only when the action is reached.
+* ``SEND_*``: ``comm.isend`` — the Work and its buffer are kept until completed (released while this rank waits
+  in a receive, drained at the end of the step).
+* ``RECV_*``: ``comm.irecv`` into a fresh buffer, posted ahead of time (up to ``max_posted_recvs`` outstanding,
+  in list order) so the transfer overlaps computation; waited only when the action is reached.
+
+Between two ranks the critical path is "compute, isend" on one side and "receive completes, compute" on the
+other, so everything else — posting later receives, releasing finished sends, faulting in gradient buffers —
+is done only while this rank is blocked in a receive whose message has not arrived.
 
 Recomputation re-runs the chunk forward as is: a layer that draws random numbers in training mode (Dropout)
 would draw a new mask, so ``recompute=True`` is exact only for deterministic layers (all of the workload's).
