@@ -25,7 +25,6 @@ cores, so an "idle" rank is partly just descheduled and compute times stretch â€
 from __future__ import annotations
 
 import argparse
-import ctypes
 import glob
 import json
 import os
@@ -35,6 +34,7 @@ import time
 
 import numpy as np
 
+from glibc_malloc import keep_freed_memory  # bench/glibc_malloc.py
 from mpcomm import Communicator
 from mpcomm.nn import SGD, transformer_mlp_stack
 from mpcomm.parallel.pipeline import PipelineParallel
@@ -42,17 +42,6 @@ from mpcomm.parallel.schedules import bubble_fraction_theory, schedule as make_s
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc not to return freed memory to the OS (see the module docstring); False where that is not glibc."""
-    try:
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_trim_threshold, 2**30) and mallopt(m_mmap_threshold, 2**25))
 
 
 def run_case(comm, schedule: str, v: int, m: int, d_model: int, d_hidden: int, args) -> dict:
