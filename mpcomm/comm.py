@@ -12,7 +12,6 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -304,24 +303,9 @@ class Communicator:
             "root": root,
         }
 
-    @contextmanager
-    def _collective(self, t: Transport, signature: dict, nbytes: int):
+    def _collective(self, t: Transport, signature: dict, nbytes: int) -> "_Collective":
         """Agree on the arguments (validate=True), run the body, add its measured time to the stats."""
-        label = _Label(signature, nbytes)
-        if t is self._sync:
-            self._drain_deferred()
-        with t.running(label):
-            if self.validate:
-                self._agree(t, signature)
-            start = time.perf_counter()
-            yield t
-            elapsed = time.perf_counter() - start
-        key = (signature["operation"], signature["algorithm"])
-        with self._stats_lock:
-            record = self._stats.setdefault(key, {"calls": 0, "bytes": 0, "seconds": 0.0})
-            record["calls"] += 1
-            record["bytes"] += nbytes
-            record["seconds"] += elapsed
+        return _Collective(self, t, signature, nbytes)
 
     def _agree(self, t: Transport, signature: dict) -> None:
         mine = np.zeros(_SIGNATURE_BYTES, dtype=np.uint8)
@@ -370,6 +354,42 @@ class Communicator:
                 f"{operation}: {got_name} has {got} elements but {want_name} = {want} "
                 f"(communicator size {self.size}, sendbuf {send.size}, recvbuf {recv.size})"
             )
+
+
+class _Collective:
+    """Context of :meth:`Communicator._collective` (a class, not a generator: it runs on every call)."""
+
+    __slots__ = ("comm", "t", "signature", "nbytes", "running", "start")
+
+    def __init__(self, comm: Communicator, t: Transport, signature: dict, nbytes: int):
+        self.comm, self.t, self.signature, self.nbytes = comm, t, signature, nbytes
+
+    def __enter__(self) -> Transport:
+        comm, t = self.comm, self.t
+        if t is comm._sync:
+            comm._drain_deferred()
+        self.running = t.running(_Label(self.signature, self.nbytes))
+        self.running.__enter__()
+        try:
+            if comm.validate:
+                comm._agree(t, self.signature)
+        except BaseException:
+            self.running.__exit__(None, None, None)
+            raise
+        self.start = time.perf_counter()
+        return t
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        elapsed = time.perf_counter() - self.start
+        self.running.__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            key = (self.signature["operation"], self.signature["algorithm"])
+            with self.comm._stats_lock:
+                record = self.comm._stats.setdefault(key, {"calls": 0, "bytes": 0, "seconds": 0.0})
+                record["calls"] += 1
+                record["bytes"] += self.nbytes
+                record["seconds"] += elapsed
+        return False
 
 
 class _Label:

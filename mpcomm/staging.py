@@ -122,6 +122,10 @@ def run(t, operation: str, name: str, *args):
 
     ``t`` is the plain transport (sync or async); host arrays run on it unchanged.
     """
+    if "cupy" not in sys.modules:  # no CuPy loaded, so no device arrays: the plain algorithm (small-message path)
+        from .algorithms import REGISTRY
+
+        return REGISTRY[operation][name](t, *args)
     arrays = [a for a in args if isinstance(a, np.ndarray) or is_device_array(a)]
     device_t = for_arrays(t, operation, *arrays)
     return algorithm(device_t, operation, name)(device_t, *args)
@@ -170,6 +174,7 @@ class _DeviceTransport:
     mpi = property(lambda self: self.inner.mpi)
     rank = property(lambda self: self.inner.rank)
     size = property(lambda self: self.inner.size)
+    others = property(lambda self: self.inner.others)
     timeout = property(lambda self: self.inner.timeout)
     nodes_are_uniform = property(lambda self: self.inner.nodes_are_uniform)
 

@@ -34,6 +34,7 @@ class Transport:
         self._node: Transport | None = None
         self._cross: Transport | None = None
         self._uniform: bool | None = None
+        self.others = tuple(r for r in range(self.size) if r != self.rank)  # every peer (error messages)
 
     # ------------------------------------------------------------------ context for error messages
     def running(self, operation: str) -> "_Running":

@@ -24,4 +24,4 @@ def broadcast(t: Transport, buf, root: int = 0) -> None:
 
 
 def _wait(t: Transport, request: MPI.Request) -> None:
-    t.wait([request], peers=[r for r in range(t.size) if r != t.rank])
+    t.wait([request], peers=t.others)
