@@ -7,7 +7,7 @@ numpy array and device data a CuPy array, both sharing memory with the caller's 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ml_dtypes
@@ -32,14 +32,29 @@ _DLPACK_CUDA = (2, 13)
 
 @dataclass(frozen=True)
 class ReduceOp:
-    """A reduction: numpy ufunc applied in place (``ufunc(a, b, out=a)``) and the matching MPI op."""
+    """A reduction: numpy ufunc applied in place (``ufunc(a, b, out=a)``) and the matching MPI op.
+
+    ``divisor`` (set by :meth:`averaged`) is what ``avg`` divides a finished sum by: an all-reduce calls
+    :meth:`finish` on the part it reduced last, where the sum is complete, before distributing it, so the
+    division is one pass over 1/p of the data and every element is divided in one place.
+    """
 
     name: str
     ufunc: np.ufunc
     mpi: MPI.Op
+    divisor: int = 1
 
     def __call__(self, a, b, out=None):
         return self.ufunc(a, b, out=a if out is None else out)
+
+    def averaged(self, size: int) -> "ReduceOp":
+        """This op with its finished sums divided by ``size`` (for ``avg``)."""
+        return replace(self, divisor=int(size))
+
+    def finish(self, array) -> None:
+        """In place: the last step of a reduction on a finished result (the division of ``avg``)."""
+        if self.divisor != 1 and array.size:
+            np.divide(array, self.divisor, out=array)
 
 
 OPS: dict[str, ReduceOp] = {

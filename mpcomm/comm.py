@@ -251,13 +251,13 @@ class Communicator:
         array = as_output(buf, "allreduce")
         rop = reduce_op(op, "allreduce")
         check_dtype_op(array.dtype, rop.name, "allreduce")
+        if rop.name == AVG:
+            rop = rop.averaged(self.size)  # each algorithm divides where it finishes a sum, before sharing it
         algorithm = self._resolve("allreduce", algorithm, array.nbytes, array.dtype)
         signature = self._signature("allreduce", array, rop.name, algorithm)
         with self._collective(t, signature, array.nbytes) as t, _Flat(array, wire_dtype(array.dtype)) as work:
             if work.size:
                 staging.run(t, "allreduce", algorithm, work, rop)
-                if rop.name == AVG:
-                    work /= self.size
 
     def _reduce_scatter(self, t: Transport, sendbuf, recvbuf, op, algorithm) -> None:
         send, recv = as_input(sendbuf, "reduce_scatter"), as_output(recvbuf, "reduce_scatter")

@@ -9,6 +9,7 @@ from ..transport import Transport
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
     _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi))
+    op.finish(buf)
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:

@@ -28,7 +28,7 @@ from functools import partial
 from ..buffers import ReduceOp
 from ..transport import Transport
 from . import ring
-from .chunks import chunk_bounds, equal_bounds
+from .chunks import equal_bounds
 
 # Measured on a 2-core host (MPICH shm, p=2, 64 MiB float32): 16 KiB segments 1.9 GB/s busbw, 64 KiB 4.3,
 # 256 KiB 5.9, 1 MiB 6.2, 4 MiB 5.3, plain ring 4.5. Each segment costs ~11 us of Python + MPI calls.
@@ -67,9 +67,7 @@ def reduce_scatter_chunks(t: Transport, src, out, op: ReduceOp, bounds, segment_
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
-    bounds = chunk_bounds(buf.size, t.size)
-    reduce_scatter_chunks(t, buf, buf[slice(*bounds[t.rank])], op, bounds)
-    ring.all_gather_chunks(t, buf, bounds)
+    ring.allreduce(t, buf, op, reduce_scatter=reduce_scatter_chunks)
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:

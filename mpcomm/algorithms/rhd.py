@@ -81,6 +81,7 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         op(buf, incoming, out=buf)
     blocks = chunk_bounds(buf.size, fold.p2)
     halving_reduce_scatter(t, fold, buf, op, blocks)
+    op.finish(buf[slice(*blocks[fold.vrank])])
     doubling_all_gather(t, fold, buf, blocks)
     if t.rank < 2 * fold.rem:
         t.send(buf, t.rank - 1)

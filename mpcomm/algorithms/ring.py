@@ -49,9 +49,12 @@ def all_gather_chunks(t: Transport, buf, bounds) -> None:
         t.sendrecv(buf[slice(*bounds[send_chunk])], right, buf[slice(*bounds[recv_chunk])], left)
 
 
-def allreduce(t: Transport, buf, op: ReduceOp) -> None:
+def allreduce(t: Transport, buf, op: ReduceOp, reduce_scatter=reduce_scatter_chunks) -> None:
+    """Reduce-scatter (``reduce_scatter``: this module's, or the pipelined one), finish, all-gather."""
     bounds = chunk_bounds(buf.size, t.size)
-    reduce_scatter_chunks(t, buf, buf[slice(*bounds[t.rank])], op, bounds)
+    mine = buf[slice(*bounds[t.rank])]
+    reduce_scatter(t, buf, mine, op, bounds)
+    op.finish(mine)
     all_gather_chunks(t, buf, bounds)
 
 

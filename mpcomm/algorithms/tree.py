@@ -44,4 +44,6 @@ def broadcast(t: Transport, buf, root: int = 0) -> None:
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
     reduce(t, buf, op, root=0)
+    if t.rank == 0:
+        op.finish(buf)
     broadcast(t, buf, root=0)

@@ -99,7 +99,6 @@ class Bucket:
         self.pending = len(self.members)
         self.work: Work | None = None
         self.finish: Callable[[], None] | None = None
-        self.divide_on_unpack = False  # summed, not averaged: the division by world size is fused into unpacking
 
     @property
     def nbytes(self) -> int:
@@ -133,10 +132,6 @@ def compress_hook(dtype: Any) -> Callable[[Communicator, Any], tuple[Work, Calla
     hook.__name__ = f"compress_{low_dtype.name}_hook"
     return hook
 
-
-# dtypes whose average the default hook may compute as a sum followed by a division while unpacking: reduced
-# in their own precision, so the result is bit-identical to op="avg" (low-precision types accumulate wider)
-_FUSABLE = (np.dtype(np.float32), np.dtype(np.float64))
 
 COMM_HOOKS: dict[str, Callable] = {
     "allreduce": allreduce_hook,
@@ -190,7 +185,7 @@ class _Reducer:
         self.problems = []
         self.ready = [False] * len(self.ready)
         for b in self.engine._buckets:
-            b.pending, b.work, b.finish, b.divide_on_unpack = len(b.members), None, None, False
+            b.pending, b.work, b.finish = len(b.members), None, None
         for i in premark:
             self.mark_ready(i)
 
@@ -220,14 +215,7 @@ class _Reducer:
         if bucket.tail.size:  # the last bucket: by now every parameter is ready, so "unused" is known
             bucket.tail[...] = array_module(bucket.tail).asarray([0 if t else 1 for t in self.touched])
         engine = self.engine
-        if engine._hook is allreduce_hook and not engine.gradient_as_bucket_view and bucket.dtype in _FUSABLE:
-            # The gradients are copied out of the bucket after the reduction anyway: sum here and divide while
-            # copying out (np.divide(..., out=grad)), which saves the separate pass over the whole bucket that
-            # op="avg" makes on the progress thread.  Same rounding: x / size either way.
-            bucket.divide_on_unpack = True
-            bucket.work, bucket.finish = engine.comm.iallreduce(bucket.buffer, op="sum"), None
-        else:
-            bucket.work, bucket.finish = engine._hook(engine.comm, bucket.buffer)
+        bucket.work, bucket.finish = engine._hook(engine.comm, bucket.buffer)
 
     def finalize(self) -> None:
         """Mark what is left ready (as zero), launch the rest in order, wait, unpack, check for unused params."""
@@ -243,10 +231,7 @@ class _Reducer:
                 b.finish()
         self.wait_seconds = time.perf_counter() - start
         size = engine.comm.size
-        last = engine._buckets[-1]
-        if last.divide_on_unpack:
-            last.tail /= size
-        flags = to_numpy(last.tail).astype(np.float64)
+        flags = to_numpy(engine._buckets[-1].tail).astype(np.float64)
         unused_somewhere = flags > 0.5 / size
         unused_everywhere = flags > 1.0 - 0.5 / size
         for i, p in enumerate(engine._params):
@@ -274,15 +259,6 @@ class _Reducer:
     def _unpack(self, i: int, p: Parameter) -> None:
         bucket = self.engine._bucket_of[i]
         view = bucket.views[i]
-        if bucket.divide_on_unpack:  # the bucket holds sums (only without gradient_as_bucket_view, see launch)
-            size = self.engine.comm.size
-            if p.grad is view:
-                view /= size
-            elif p.grad is not None and p.grad.shape == view.shape and p.grad.dtype == view.dtype:
-                array_module(view).divide(view, size, out=p.grad)
-            else:
-                p.grad = view / size
-            return
         if p.grad is view:
             return
         if self.engine.gradient_as_bucket_view:
