@@ -79,6 +79,38 @@ def pg():
 
 
 @pytest.mark.mpi
+def test_bare_init_process_group_needs_no_master_addr():
+    """``dist.init_process_group("mpcomm")`` with no init_method/store: torch goes through env://, whose
+    variables the import filled in from MPI (never overriding ones the launcher set)."""
+    import os
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert os.environ["RANK"] == str(RANK) and os.environ["WORLD_SIZE"] == str(SIZE)
+    assert WORLD.allgather((os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])) == \
+        [(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])] * SIZE
+    in_step(lambda: dist.init_process_group("mpcomm", timeout=timedelta(seconds=60)))
+    try:
+        assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (RANK, SIZE, "mpcomm")
+        t = torch.full((3,), float(RANK + 1))
+        dist.all_reduce(t)
+        assert t.tolist() == [SIZE * (SIZE + 1) / 2] * 3
+    finally:
+        in_step(dist.destroy_process_group)
+
+
+def test_env_defaults_never_override(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    monkeypatch.setenv("RANK", str(RANK))
+    set_here = mpt.set_env_rendezvous_defaults()
+    assert "MASTER_ADDR" not in set_here and "MASTER_PORT" not in set_here and "RANK" not in set_here
+    import os
+
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("10.1.2.3", "1234")
+
+
+@pytest.mark.mpi
 def test_init_without_master_addr(pg, monkeypatch):
     assert dist.get_rank() == RANK and dist.get_world_size() == SIZE
     assert dist.get_backend() == "mpcomm"

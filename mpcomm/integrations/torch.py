@@ -2,17 +2,19 @@
 
 Usage, under ``mpiexec -n P python train.py`` (rank and world size come from MPI; no MASTER_ADDR/PORT)::
 
-    import mpcomm.integrations.torch as mpt
-    mpt.init_process_group()                    # = dist.init_process_group("mpcomm", init_method="mpcomm://")
+    import torch.distributed as dist
+    import mpcomm.integrations.torch            # registers the backend (collective: import it on every rank)
+    dist.init_process_group("mpcomm")           # or init_method="mpcomm://", or mpcomm.integrations.torch.init_process_group()
     model = torch.nn.parallel.DistributedDataParallel(model)
 
 Importing this module registers the backend (``Backend.register_backend``, extended API, device ``cpu``) and
 a rendezvous scheme ``mpcomm://`` that takes rank and size from ``MPI.COMM_WORLD`` and gives torch an
-in-process ``HashStore`` (the backend never uses the store). A bare ``dist.init_process_group("mpcomm")``
-cannot avoid MASTER_ADDR: with neither ``store`` nor ``init_method`` PyTorch always rendezvouses through
-``env://``, which needs MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE. Passing ``init_method="mpcomm://"`` (or
-calling :func:`init_process_group`) is the MPI-launched way; ``store=dist.HashStore()`` with
-``rank``/``world_size`` from MPI works too.
+in-process ``HashStore`` (the backend never uses the store). With neither ``store`` nor ``init_method``,
+PyTorch always rendezvouses through ``env://``, which reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; so
+that a bare ``dist.init_process_group("mpcomm")`` works under ``mpiexec`` too, the import fills in those that
+are unset (:func:`set_env_rendezvous_defaults`: rank and size from MPI, rank 0's address and a free port
+broadcast over ``MPI.COMM_WORLD``; loopback when every rank is on one host). Variables already set are never
+changed, so torchrun-style launches keep theirs.
 
 The process group is a Python ``dist.ProcessGroup`` subclass (as PyTorch's own Python process groups are)
 over a private :class:`mpcomm.Communicator` per group (``new_group`` builds one over ``MPI.Comm.Create_group``).
@@ -325,6 +327,32 @@ def register() -> None:
     _registered = True
 
 
+def set_env_rendezvous_defaults() -> dict[str, str]:
+    """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT where unset, from MPI (collective over
+    ``MPI.COMM_WORLD``); returns what it set. MASTER_ADDR is loopback when every rank shares one host, else rank
+    0's host name; MASTER_PORT a port that was free on rank 0."""
+    import os
+    import socket
+
+    world = MPI.COMM_WORLD
+    host = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    local_rank, one_host = host.Get_rank(), host.Get_size() == world.Get_size()
+    host.Free()
+    missing = int(not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ))
+    address = None
+    if world.allreduce(missing, op=MPI.MAX):  # every rank takes the same branch
+        if world.Get_rank() == 0:
+            name = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_host else socket.gethostname())
+            address = (name, os.environ.get("MASTER_PORT") or str(_free_port(name)))
+        address = world.bcast(address, root=0)
+    values = {"RANK": str(world.Get_rank()), "WORLD_SIZE": str(world.Get_size()), "LOCAL_RANK": str(local_rank)}
+    if address is not None:
+        values.update(MASTER_ADDR=address[0], MASTER_PORT=address[1])
+    set_here = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(set_here)
+    return set_here
+
+
 def init_process_group(**kwargs) -> None:
     """``dist.init_process_group("mpcomm", init_method="mpcomm://", **kwargs)`` (rank and size from MPI)."""
     register()
@@ -333,16 +361,19 @@ def init_process_group(**kwargs) -> None:
     dist.init_process_group(BACKEND, **kwargs)
 
 
-register()
-
-
-# ---------------------------------------------------------------------------------------------- step-time comparison
-def _free_port() -> int:
+def _free_port(address: str = "127.0.0.1") -> int:
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
+
+
+register()
+set_env_rendezvous_defaults()
+
+
+# ---------------------------------------------------------------------------------------------- step-time comparison
 
 
 def _time_ddp(steps: int, warmup: int, width: int, seed: int) -> tuple[float, list[float]]:
