@@ -32,7 +32,7 @@ from .buffers import (
     same_device,
     wire_dtype,
 )
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, MpcommError
 from .transport import Transport, ranks_per_core, split_node
 from .work import FutureWork, Work
 
@@ -84,6 +84,7 @@ class Communicator:
         self._stats: dict[tuple[str, str], dict[str, float]] = {}
         self._stats_lock = threading.Lock()
         self.selector = Selector.default(self)
+        self._broken: str | None = None  # why collectives are refused: an earlier one stopped midway
         self._inline: _InlineProgress | None = None
         tuning_file = os.environ.get("MPCOMM_TUNING_FILE")
         if tuning_file:
@@ -366,6 +367,10 @@ class _Collective:
 
     def __enter__(self) -> Transport:
         comm, t = self.comm, self.t
+        if comm._broken is not None:
+            raise MpcommError(f"rank {comm.rank}: {_Label(self.signature, self.nbytes)}: this communicator is unusable: "
+                              f"{comm._broken}; its messages may still be in flight, so later collectives could "
+                              f"match them and return wrong data. Create a new Communicator.")
         if t is comm._sync:
             comm._drain_deferred()
         self.running = t.running(_Label(self.signature, self.nbytes))
@@ -382,6 +387,8 @@ class _Collective:
     def __exit__(self, exc_type, exc, tb) -> bool:
         elapsed = time.perf_counter() - self.start
         self.running.__exit__(exc_type, exc, tb)
+        if exc_type is not None and issubclass(exc_type, MpcommError) and self.comm._broken is None:
+            self.comm._broken = f"{_Label(self.signature, self.nbytes)} stopped midway ({exc_type.__name__}: {exc})"
         if exc_type is None:
             key = (self.signature["operation"], self.signature["algorithm"])
             with self.comm._stats_lock:

@@ -223,6 +223,38 @@ def test_silent_rank_times_out_the_others(algorithm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_collectives_refuse_after_one_stopped_midway():
+    """After a collective timed out, messages of it may still be in flight: the next collective on that
+    communicator raises at once, naming the failure, instead of matching stale messages (a silently wrong
+    result). Rank 0 skips the first all-reduce; then every rank calls a second one: nobody hangs, nobody
+    returns a result, and the ranks that saw the timeout refuse without waiting."""
+    timeout = 1.0
+    c = Communicator(WORLD, timeout=timeout)
+
+    def run():
+        if c.rank != 0:
+            with pytest.raises(CommTimeoutError):
+                c.allreduce(np.ones(8), algorithm="ring")
+        WORLD.Barrier()  # rank 0 starts its (only) all-reduce after the others gave up on the first one
+        start = time.monotonic()
+        try:
+            c.allreduce(np.full(8, 2.0), algorithm="ring")
+        except MpcommError as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - start
+        return "completed"
+
+    everyone = run_gathered(run)
+    for r, result in enumerate(everyone):
+        assert result != "completed", f"rank {r} completed an all-reduce on a broken communicator"
+        name, message, wall = result
+        if r != 0:
+            assert name == "MpcommError" and "unusable" in message and "allreduce[ring]" in message, message
+            assert "timed out" in message and wall < 0.5 * timeout, (message, wall)
+        else:
+            assert wall < timeout + 5.0
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "rhd"])
 def test_size_mismatch_without_validate_raises_everywhere(algorithm):
     """validate=False and the last rank passes more elements: no rank hangs or returns a wrong answer — each
