@@ -177,7 +177,7 @@ def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Pla
     """Time every algorithm of one point in ``plan.rounds`` round-robin rounds; per algorithm the median round.
 
     Each round is an nccl-tests block (:func:`time_calls`) with ``budget / rounds`` seconds; the first round
-    warms up and fixes the block length the later rounds reuse.  Round-robin puts every algorithm under the
+    warms up and fixes the block length the later rounds reuse (after one or two untimed calls each).  Round-robin puts every algorithm under the
     same load drift of a shared machine, so two algorithms that are really equal also measure equal.
     """
     rounds = max(1, min(plan.rounds, plan.iters))  # -n stays the most timed calls in all
@@ -189,7 +189,8 @@ def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Pla
             if r == 0:
                 timing = time_calls(step, world, plan.warmup, plan.iters // rounds, plan.budget / rounds)
             else:
-                timing = time_calls(step, world, 0, blocks[algorithm][0].iters, plan.budget / rounds)
+                # a call or two untimed first: the algorithm before it in the round left other code in the caches
+                timing = time_calls(step, world, min(plan.warmup, 2), blocks[algorithm][0].iters, plan.budget / rounds)
             blocks[algorithm].append(timing)
     return {a: Timing(float(np.median([t.seconds for t in ts])), sum(t.iters for t in ts), ts[0].warmup)
             for a, ts in blocks.items()}
