@@ -1,7 +1,7 @@
 """Calibration: time every algorithm on the live communicator and build the table ``auto`` chooses from.
 
 For each operation and message size the candidate algorithms run round-robin, ``repeats`` rounds after a
-warm-up, each round a barrier then a block of calls of about a millisecond; a rank's time for an algorithm is
+warm-up, each round a barrier then a block of calls of about 5 ms; a rank's time for an algorithm is
 the median of its rounds' per-call times and the time of the
 algorithm is the largest over the ranks (the collective is as slow as its slowest rank). Rank 0 picks the
 fastest algorithm per size, fits ``seconds = alpha + beta * bytes`` per algorithm by least squares, and
@@ -130,7 +130,7 @@ def _runner(comm, operation: str, algorithm: str, nbytes: int, dtype: np.dtype):
     return lambda: comm.broadcast(buf, root=0, algorithm=algorithm)
 
 
-def _median_times(comm, operation, algorithms, nbytes, dtype, repeats, block_seconds: float = 1e-3) -> list[float]:
+def _median_times(comm, operation, algorithms, nbytes, dtype, repeats, block_seconds: float = 5e-3) -> list[float]:
     """Per algorithm, this rank's median per-call time. The algorithms run round-robin, ``repeats`` rounds, so
     load drift on a shared machine hits them alike; each round times a block of calls lasting about
     ``block_seconds`` (at least one call; the same count on every rank), which steadies small messages."""

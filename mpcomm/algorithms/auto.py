@@ -74,8 +74,10 @@ class CostModel:
     one with the transfer of the next: per step ``chunk * max(beta, gamma)`` plus one segment's smaller term.
 
     ``native_byte_scale`` multiplies the per-byte terms of ``native``: the MPI library's Allreduce is modelled as
-    rhd run in C, but MPICH's shared-memory path moved ~20% fewer bytes per second than mpcomm's ring/rhd from
-    512 KiB up in ``bench/results`` (p = 2), so without it the model kept ``native`` well past the crossover.
+    rhd run in C, but MPICH's shared-memory path moved 20-35 % fewer bytes per second than mpcomm's ring/rhd
+    from 512 KiB to 8 MiB in four sweeps of ``bench/sweep.sh`` (p = 2; 3-4x fewer at 32-64 MiB), so without it
+    the model kept ``native`` past the measured crossover (between 128 and 512 KiB at p = 2, 512 KiB and 2 MiB
+    at p = 4 on 2 cores).
 
     Defaults are rough guesses for a shared-memory node and a 100 Gb/s-class network, not measurements.
     """
@@ -87,7 +89,7 @@ class CostModel:
     beta: float = 1 / 5e9
     beta_net: float = 1 / 10e9
     gamma: float = 1 / 8e9
-    native_byte_scale: float = 1.25
+    native_byte_scale: float = 1.5
     overlap: bool = True
 
     def for_layout(self, layout: Layout) -> "CostModel":

@@ -177,13 +177,15 @@ def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Pla
     """Time every algorithm of one point in ``plan.rounds`` round-robin rounds; per algorithm the median round.
 
     Each round is an nccl-tests block (:func:`time_calls`) with ``budget / rounds`` seconds; the first round
-    warms up and fixes the block length the later rounds reuse (after one or two untimed calls each).  Round-robin puts every algorithm under the
+    warms up and fixes the block length the later rounds reuse (after one or two untimed calls each); each
+    round starts one algorithm later than the one before.  Round-robin puts every algorithm under the
     same load drift of a shared machine, so two algorithms that are really equal also measure equal.
     """
     rounds = max(1, min(plan.rounds, plan.iters))  # -n stays the most timed calls in all
     blocks: dict[str, list[Timing]] = {a: [] for a in algorithms}
     for r in range(rounds):
-        for algorithm in algorithms:
+        shift = r % len(algorithms)  # rotate the order, so no algorithm always follows the same one
+        for algorithm in algorithms[shift:] + algorithms[:shift]:
             def step(algorithm=algorithm):
                 case.step(algorithm)
             if r == 0:
