@@ -35,6 +35,7 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .algorithms import REGISTRY
 from .buffers import as_array, is_device_array, same_device
 from .cuda import cuda_aware
 from .errors import CommTimeoutError, MpcommError
@@ -103,8 +104,6 @@ def for_buffers(t, operation: str, *objects):
 
 def algorithm(t, operation: str, name: str):
     """The callable that runs algorithm ``name`` of ``operation`` over transport ``t`` (``fn(t, *args)``)."""
-    from .algorithms import REGISTRY
-
     fn = REGISTRY[operation][name]
     if isinstance(t, StagedTransport) and name in HOST_COLLECTIVES:
         return lambda t, *args: t.run_on_host(fn, OUTPUTS[operation], *args)
@@ -123,8 +122,6 @@ def run(t, operation: str, name: str, *args):
     ``t`` is the plain transport (sync or async); host arrays run on it unchanged.
     """
     if "cupy" not in sys.modules:  # no CuPy loaded, so no device arrays: the plain algorithm (small-message path)
-        from .algorithms import REGISTRY
-
         return REGISTRY[operation][name](t, *args)
     arrays = [a for a in args if isinstance(a, np.ndarray) or is_device_array(a)]
     device_t = for_arrays(t, operation, *arrays)
