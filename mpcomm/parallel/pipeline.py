@@ -343,7 +343,7 @@ class PipelineParallel:
         xp = _xp_of(self.chunks[self.stages[0]])
         recvs = self._receive_plan()
         trace = self.trace
-        posted: deque = deque()  # (work, buffer) of posted receives, in the order the actions consume them
+        posted: deque = deque()  # (work, buffer, inbox key) of posted receives, in the order actions consume them
         next_post = 0  # index into recvs of the next receive to post
         sends: list[tuple[Any, Any]] = []
         inbox: dict[tuple[str, int, int], Any] = {}  # (F|B, stage, mb) -> received / local input
@@ -360,9 +360,9 @@ class PipelineParallel:
         def post(count: int) -> None:
             nonlocal next_post
             while count > 0 and next_post < len(recvs):
-                shape, dtype, peer, tag, _ = recvs[next_post]
+                shape, dtype, peer, tag, key = recvs[next_post]
                 buf = xp.empty(shape, dtype=dtype)
-                posted.append((self.comm.irecv(buf, peer, tag=tag), buf))
+                posted.append((self.comm.irecv(buf, peer, tag=tag), buf, key))
                 next_post += 1
                 count -= 1
 
@@ -374,8 +374,7 @@ class PipelineParallel:
             if a.is_recv:
                 if not posted:
                     post(1)
-                work, buf = posted.popleft()
-                key = recvs[next_post - len(posted) - 1][4]
+                work, buf, key = posted.popleft()
                 t0 = time.perf_counter()
                 if not work.is_completed():
                     post(limit - len(posted))
