@@ -150,7 +150,7 @@ class Communicator:
                     json.dump(self.selector.table, f, indent=1)
             except OSError as exc:
                 error = f"save_tuning: cannot write {path!r}: {exc}"
-        error = self.mpi.bcast(error, root=0)
+        error = self._share_from_root(error, "save_tuning")
         if error:
             raise OSError(error)
 
@@ -169,7 +169,7 @@ class Communicator:
                 error = "missing"
             except (OSError, ValueError) as exc:
                 error = f"load_tuning: cannot read tuning table {path!r}: {exc}"
-        table, error = self.mpi.bcast((table, error), root=0)
+        table, error = self._share_from_root((table, error), "load_tuning")
         if error == "missing":
             if not missing_ok:
                 raise FileNotFoundError(f"load_tuning: no tuning table at {path!r}")
@@ -307,6 +307,11 @@ class Communicator:
     def _collective(self, t: Transport, signature: dict, nbytes: int) -> "_Collective":
         """Agree on the arguments (validate=True), run the body, add its measured time to the stats."""
         return _Collective(self, t, signature, nbytes)
+
+    def _share_from_root(self, obj, operation: str):
+        """Rank 0's ``obj`` on every rank (pickled; waits bounded by the timeout, like every collective)."""
+        with self._sync.running(operation):
+            return self._sync.bcast_object(obj, root=0)
 
     def _agree(self, t: Transport, signature: dict) -> None:
         mine = np.zeros(_SIGNATURE_BYTES, dtype=np.uint8)

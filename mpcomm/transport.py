@@ -7,6 +7,7 @@ deadline passes, so a peer that never arrives becomes a ``CommTimeoutError`` ins
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from typing import Sequence
 
@@ -89,6 +90,16 @@ class Transport:
                     f"rank {self.rank}: {self.operation}: received {status.Get_count(MPI.BYTE)} bytes from rank "
                     f"{peer}, expected {nbytes} (do all ranks pass the same sizes and dtypes?)"
                 )
+
+    def bcast_object(self, obj, root: int = 0):
+        """Rank ``root``'s ``obj`` (pickled) on every rank; both broadcasts (length, bytes) wait with the deadline."""
+        data = np.frombuffer(bytearray(pickle.dumps(obj)), dtype=np.uint8) if self.rank == root else None
+        length = np.array([0 if data is None else data.size], dtype=np.int64)
+        self.wait([self.mpi.Ibcast(length, root)], self.others)
+        if data is None:
+            data = np.empty(int(length[0]), dtype=np.uint8)
+        self.wait([self.mpi.Ibcast(data, root)], self.others)
+        return obj if self.rank == root else pickle.loads(data.tobytes())
 
     def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0) -> None:
         """Send ``sendbuf`` to ``dst`` while receiving ``recvbuf`` from ``src``."""

@@ -46,9 +46,9 @@ def tune(comm, sizes=DEFAULT_SIZES, repeats: int = 5, operations=("allreduce",),
         per_rank = [_count(operation, s, dtype, comm.size) for s in sizes]
         nbytes = [count * dtype.itemsize * _factor(operation, comm.size) for count in per_rank]
         seconds = np.array([_median_times(comm, operation, names, n, dtype, repeats) for n in nbytes]).T
-        comm.mpi.Allreduce(MPI.IN_PLACE, seconds, op=MPI.MAX)
+        comm.allreduce(seconds, op="max", algorithm="native")
         entry = _decide(names, nbytes, seconds) if comm.rank == 0 else None
-        table["operations"][operation] = {str(dtype): comm.mpi.bcast(entry, root=0)}
+        table["operations"][operation] = {str(dtype): comm._share_from_root(entry, "tune")}
     if verbose and comm.rank == 0:
         print(describe(table), flush=True)
     return table
@@ -142,7 +142,7 @@ def _median_times(comm, operation, algorithms, nbytes, dtype, repeats, block_sec
         start = time.perf_counter()
         run()
         once = np.array([time.perf_counter() - start])
-        comm.mpi.Allreduce(MPI.IN_PLACE, once, op=MPI.MAX)
+        comm.allreduce(once, op="max", algorithm="native")
         calls.append(int(min(50, max(1, block_seconds // max(once[0], 1e-9)))))
     times = [[] for _ in runs]
     for _ in range(repeats):

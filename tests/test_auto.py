@@ -13,7 +13,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from conftest import WORLD, assert_identical_across_ranks, assert_reduced, gather, in_step, make_input
+from conftest import WORLD, assert_identical_across_ranks, assert_reduced, gather, in_step, make_input, run_gathered
 
 from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY, pipelined
@@ -171,6 +171,32 @@ def test_tuning_errors(comm, tmp_path):
         with pytest.raises(ValueError):
             fresh.tune(verbose=False, **kwargs)
     fresh.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_load_tuning_with_a_silent_root_times_out(tmp_path):
+    """Rank 0 never calls load_tuning: the others raise CommTimeoutError naming it, within timeout + 5 s."""
+    import time
+
+    from mpcomm import CommTimeoutError
+
+    c = Communicator(WORLD, timeout=1.0)
+
+    def run():
+        if c.rank == 0:
+            return None
+        start = time.monotonic()
+        try:
+            c.load_tuning(_shared_path(tmp_path, "never-read.json"), missing_ok=True)
+        except CommTimeoutError as exc:
+            return str(exc), time.monotonic() - start
+        return "completed without rank 0"
+
+    everyone = run_gathered(run)
+    for result in everyone[1:]:
+        assert result != "completed without rank 0"
+        message, wall = result
+        assert "load_tuning" in message and wall < 1.0 + 5.0, result
 
 
 # ------------------------------------------------------------------------------------------ selector logic (serial)
