@@ -74,7 +74,8 @@ def run_case(comm, schedule: str, v: int, m: int, d_model: int, d_hidden: int, a
     sim = simulate_timeline(make_schedule(schedule, pp, m, v), t_f=t_f, t_b=t_b).bubble_fraction
     return {"pp": pp, "schedule": schedule, "v": v, "m": m, "layers": layers, "d_model": d_model,
             "d_hidden": d_hidden, "mb_rows": args.mb_rows, "steps": args.steps,
-            "theory": bubble_fraction_theory(pp, m, v), "simulated": sim, "measured": measured, "measured_per_step": [float(b) for b in per_step_bubble],
+            "theory": bubble_fraction_theory(pp, m, v), "simulated": sim, "measured": measured,
+            "measured_per_step": [float(b) for b in per_step_bubble],
             "t_f_ms": 1e3 * t_f, "t_b_ms": 1e3 * t_b,
             "step_s": float(steps[:, :, 2].max(axis=1).mean()),
             "compute_s_per_rank": [float(c) for c in steps[:, :, 0].mean(axis=0)],

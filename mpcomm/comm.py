@@ -287,7 +287,7 @@ class Communicator:
     # ------------------------------------------------------------------ helpers
     def _resolve(self, operation: str, algorithm: str, nbytes: int, dtype) -> str:
         if algorithm == "auto":
-            return self.selector.choose(operation, nbytes, dtype)
+            return self.selector.choose(operation, nbytes, np.dtype(dtype))
         if algorithm not in REGISTRY[operation]:
             raise ValueError(
                 f"{operation}: unknown algorithm {algorithm!r}; choose one of {sorted(REGISTRY[operation]) + ['auto']}"

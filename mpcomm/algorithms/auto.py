@@ -222,7 +222,7 @@ class Selector:
 
     def choose(self, operation: str, nbytes: int, dtype) -> str:
         """The algorithm for this call; decisions are remembered, so a training loop pays for each once."""
-        key = (operation, nbytes, dtype.num if isinstance(dtype, np.dtype) else np.dtype(dtype).num)
+        key = (operation, nbytes, dtype)
         name = self._decided.get(key)
         if name is None:
             name = self._measured(operation, nbytes, np.dtype(dtype)) or self.predict(operation, nbytes)

@@ -167,7 +167,7 @@ def make_plan(parser: argparse.ArgumentParser, args: argparse.Namespace, world_s
             parser.error("--plot needs matplotlib (pip install mpcomm[plot])")
     return Plan(
         operation=args.op, algorithms=algorithms, sizes=sizes(args.minbytes, args.maxbytes, args.stepfactor),
-        combos=combos, warmup=args.warmup, iters=args.iters, budget=args.budget, rounds=min(args.rounds, args.iters), check=args.check,
+        combos=combos, warmup=args.warmup, iters=args.iters, budget=args.budget, rounds=args.rounds, check=args.check,
         root=args.root, seed=args.seed, skipped=skipped,
     )
 

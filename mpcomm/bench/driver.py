@@ -63,6 +63,9 @@ class Plan:
     seed: int = 1234
     skipped: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.rounds = max(1, min(self.rounds, self.iters))  # -n stays the most timed calls in all
+
 
 @dataclass
 class Timing:
@@ -181,7 +184,7 @@ def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Pla
     round starts one algorithm later than the one before.  Round-robin puts every algorithm under the
     same load drift of a shared machine, so two algorithms that are really equal also measure equal.
     """
-    rounds = max(1, min(plan.rounds, plan.iters))  # -n stays the most timed calls in all
+    rounds = plan.rounds
     blocks: dict[str, list[Timing]] = {a: [] for a in algorithms}
     for r in range(rounds):
         shift = r % len(algorithms)  # rotate the order, so no algorithm always follows the same one
@@ -192,7 +195,8 @@ def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Pla
                 timing = time_calls(step, world, plan.warmup, plan.iters // rounds, plan.budget / rounds)
             else:
                 # a call or two untimed first: the algorithm before it in the round left other code in the caches
-                timing = time_calls(step, world, min(plan.warmup, 2), blocks[algorithm][0].iters, plan.budget / rounds)
+                warmup, iters = min(plan.warmup, 2), blocks[algorithm][0].iters
+                timing = time_calls(step, world, warmup, iters, plan.budget / rounds)
             blocks[algorithm].append(timing)
     return {a: Timing(float(np.median([t.seconds for t in ts])), sum(t.iters for t in ts), ts[0].warmup)
             for a, ts in blocks.items()}
