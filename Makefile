@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.mpcomm-installed
 MPI_TIMEOUT ?= 900
 RANKS ?= 4
 
-.PHONY: install run test test-serial test-mpi test-torch bench clean
+.PHONY: install run test test-serial test-mpi test-torch test-cluster bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -44,6 +44,11 @@ test-torch: $(STAMP)
 	for n in 2 3; do \
 		timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi -m mpi tests/test_torch_backend.py || exit 1; \
 	done
+
+# Multi-node tests on simulated clusters (ci/cluster.sh: a network namespace per node, tbf-shaped veth links; needs
+# root or user namespaces, else it says why and skips): 2 nodes x 2 ranks and 4 x 1.
+test-cluster: $(STAMP)
+	timeout 1200 tests/cluster/run.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,110 @@
+"""How fast the network between a communicator's nodes is, measured once when the communicator spans nodes.
+
+The all-reduce algorithms differ mainly in how many bytes each node's NIC carries (at 2 nodes x 2 ranks: ring
+1.5 n, rhd 2 n, hierarchical n), and in how many messages cross it; whether that matters depends on the
+network's latency and bandwidth, which range from ~1 Gb/s Ethernet to 400 Gb/s fabrics. So ``auto`` measures
+them instead of assuming: the first rank of each node (its leader) exchanges messages with one other leader
+(nodes 2i and 2i+1, every pair at once), both directions at the same time as the algorithms do:
+
+- latency: the fastest of a few 8-byte round trips, halved;
+- bandwidth: back-to-back exchanges of a message, starting at 256 KiB and growing 4x until one takes
+  ``TARGET_SECONDS`` (a few ms) or reaches ``MAX_PROBE_BYTES``; the first of each size fills the pipe and
+  empties any token bucket a shaper or switch allows bursts from, the fastest of the next ``TIMED`` gives the
+  seconds per byte (the fastest: on a shared machine a descheduled rank only ever makes an exchange slower).
+
+The slowest pair decides (a collective is as slow as its slowest link); the numbers are combined with one
+MAX all-reduce over the whole communicator, so every rank holds identical values and builds the same model.
+Every wait is bounded by the communicator's deadline (``Transport.wait``): a node that never answers is a
+``CommTimeoutError``, not a hang. At 1 Gb/s the probe takes ~10 ms; nothing is measured on a single host.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from .transport import Transport
+
+TARGET_SECONDS = 2e-3  # a timed exchange this long is well above the latency, even on a 400 Gb/s link
+FIRST_PROBE_BYTES = 256 << 10
+MAX_PROBE_BYTES = 16 << 20
+ROUND_TRIPS = 5
+TIMED = 2
+_TAG = 31_000  # the probe finishes before the communicator's first collective; a distinct tag anyway
+
+
+@dataclass(frozen=True)
+class NetworkMeasurement:
+    """The network between nodes as measured by :func:`measure` (the slowest measured pair of nodes)."""
+
+    latency: float  # seconds, one way, for an 8-byte message between two nodes (through mpcomm's Transport)
+    seconds_per_byte: float  # one direction of one node's link while the other direction is busy too
+    probe_bytes: int  # the message size the bandwidth comes from
+    seconds: float  # how long the probe took (slowest rank)
+
+    @property
+    def bits_per_second(self) -> float:
+        return 8.0 / self.seconds_per_byte
+
+    def __str__(self) -> str:
+        return (f"network between nodes: {self.bits_per_second / 1e9:.3g} Gbit/s per direction (from "
+                f"{self.probe_bytes >> 10} KiB exchanges), latency {self.latency * 1e6:.0f} us; "
+                f"probe took {self.seconds * 1e3:.1f} ms")
+
+
+def measure(t: Transport) -> NetworkMeasurement:
+    """Measure the links between the nodes of ``t``'s communicator (collective; needs at least 2 nodes)."""
+    start = time.perf_counter()
+    mine = np.full(4, -1.0)  # latency, seconds per byte, probe bytes, elapsed; -1: this rank measured nothing
+    with t.running("network probe"), t.node.running("network probe"), t.cross.running("network probe"):
+        if t.node.rank == 0:
+            cross = t.cross
+            partner = cross.rank ^ 1
+            if partner < cross.size:
+                latency = _latency(cross, partner)
+                seconds_per_byte, nbytes = _bandwidth(cross, partner, latency)
+                mine[:3] = latency, seconds_per_byte, nbytes
+        mine[3] = time.perf_counter() - start
+        everyone = np.empty_like(mine)
+        t.wait([t.mpi.Iallreduce(mine, everyone, MPI.MAX)], peers=t.others)
+    if everyone[0] < 0:
+        raise ValueError(f"network probe: the communicator of {t.size} ranks has a single node; nothing to measure")
+    return NetworkMeasurement(float(everyone[0]), float(everyone[1]), int(everyone[2]), float(everyone[3]))
+
+
+def _latency(t: Transport, partner: int) -> float:
+    """Half the fastest of ``ROUND_TRIPS`` 8-byte round trips (the lower rank of the pair sends first)."""
+    ping, pong = np.zeros(1, np.float64), np.zeros(1, np.float64)
+    t.sendrecv(ping, partner, pong, partner, _TAG)  # both ready (and any connection set up)
+    best = float("inf")
+    for _ in range(ROUND_TRIPS):
+        begin = time.perf_counter()
+        if t.rank < partner:
+            t.send(ping, partner, _TAG)
+            t.recv(pong, partner, _TAG)
+        else:
+            t.recv(pong, partner, _TAG)
+            t.send(ping, partner, _TAG)
+        best = min(best, time.perf_counter() - begin)
+    return best / 2
+
+
+def _bandwidth(t: Transport, partner: int, latency: float) -> tuple[float, int]:
+    """Seconds per byte of a simultaneous exchange with ``partner``, and the message size that measured it."""
+    nbytes = FIRST_PROBE_BYTES
+    while True:
+        send, recv = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)  # not kept: up to 16 MiB each
+        t.sendrecv(send, partner, recv, partner, _TAG)  # fills the pipe, empties a burst allowance
+        times = []
+        for _ in range(TIMED):
+            begin = time.perf_counter()
+            t.sendrecv(send, partner, recv, partner, _TAG)
+            times.append(time.perf_counter() - begin)
+        elapsed, slower = np.array([min(times)]), np.empty(1)
+        t.sendrecv(elapsed, partner, slower, partner, _TAG)  # both sides take the same decision below
+        elapsed = max(float(elapsed[0]), float(slower[0]))
+        if elapsed >= TARGET_SECONDS or nbytes >= MAX_PROBE_BYTES:
+            return max(elapsed - latency, elapsed / 2) / nbytes, nbytes
+        nbytes *= 4

@@ -1,0 +1,17 @@
+"""What ci/cluster.sh tells the command it runs on node0 (environment), for the multi-node tests.
+
+The tests in this folder run only on that simulated cluster (``make test-cluster``); anywhere else they skip.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+NODES: list[str] = os.environ.get("MPCOMM_CLUSTER_NODES", "").split()  # node0 node1 ...
+RANKS_PER_NODE = int(os.environ.get("MPCOMM_CLUSTER_RANKS_PER_NODE", "0") or 0)
+EXEC = os.environ.get("MPCOMM_CLUSTER_EXEC", "")  # `EXEC nodeK command...` runs a command on node K
+RATE = os.environ.get("MPCOMM_CLUSTER_RATE", "")
+
+only_on_cluster = pytest.mark.skipif(
+    not NODES, reason="multi-node test: runs on the simulated cluster of ci/cluster.sh (make test-cluster)")
