@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +24,11 @@ from mpi4py import MPI
 from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY
 from mpcomm.bench import COLLECTIVES, busbw_factor, run
-from mpcomm.bench.base import count_wrong, rank_input, reference_reduce, sentinel_like
-from mpcomm.bench.cli import parse_size
-from mpcomm.bench.driver import sizes
+from mpcomm.bench.base import RAW, count_wrong, rank_input, reference_reduce, sentinel_like, steady_input
+from mpcomm.bench.cli import DTYPES, REDOPS, parse_size
+from mpcomm.bench.driver import BLOCK_SECONDS, block_calls, calibrate, sizes
+from mpcomm.bench.report import plot
+from mpcomm.buffers import check_dtype_op
 
 CONTRACT_KEYS = {"size", "count", "dtype", "op", "algorithm", "time_us", "algbw", "busbw", "wrong"}
 QUICK = ["-b", "8", "-e", "2K", "-f", "16", "-w", "1", "-n", "2", "--check"]
@@ -47,23 +52,62 @@ def test_check_reports_zero_wrong(operation, dtype):
     for row in rows:
         assert row["wrong"] == 0, row
         assert row["identical"] in (True, None), row
-    assert {r["algorithm"] for r in rows} == set(COLLECTIVES[operation].algorithms())
+    assert {r["algorithm"] for r in rows} == set(COLLECTIVES[operation].algorithms()) | {RAW}
     if MPI.COMM_WORLD.Get_rank() == 0:
         assert "wrong elements in total: 0" in text and "OK" in text
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("rounds, iters", [(1, 4), (3, 4), (3, 2), (5, 1)])
-def test_rounds_interleave_algorithms_within_the_iteration_cap(rounds, iters):
-    """Round-robin rounds never time more than -n calls per point, and every row still has a positive time."""
-    rows, text = bench("-b", "64", "-e", "4K", "-f", "64", "-w", "1", "-n", str(iters), "--rounds", str(rounds),
+@pytest.mark.parametrize("rounds, iters, warmup", [(1, 4, 1), (3, 4, 5), (3, 2, 0), (5, 1, 1)])
+def test_rounds_time_blocks_within_the_call_cap(rounds, iters, warmup):
+    """Every round times one block of at most -n calls (exactly -n with -w 0), and every row a positive time."""
+    rows, text = bench("-b", "64", "-e", "4K", "-f", "64", "-w", str(warmup), "-n", str(iters), "--rounds", str(rounds),
                        "--algorithms", "ring,rhd,native,auto")
-    assert rows and all(1 <= r["iters"] <= iters and r["time_us"] > 0 for r in rows), rows
+    assert rows and all(1 <= r["block"] <= iters and r["iters"] == rounds * r["block"] and r["time_us"] > 0
+                        for r in rows), rows
+    assert all(r["warmup"] >= warmup for r in rows), rows
+    if warmup == 0:
+        assert all(r["block"] == iters and r["warmup"] == 0 for r in rows), rows
     if MPI.COMM_WORLD.Get_rank() == 0:
-        assert f"{min(rounds, iters)} round-robin rounds" in text
+        assert f"{rounds} round-robin rounds" in text
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("warmup, iters", [(0, 7), (1, 1), (5, 1000), (40, 3)])
+def test_calibration_warms_up_and_caps_the_block(warmup, iters):
+    world = MPI.COMM_WORLD
+    calls = []
+    block, made = calibrate(lambda: calls.append(1), world, warmup, iters, budget=1.0)
+    assert made == len(calls) >= warmup
+    assert 1 <= block <= iters
+    if warmup == 0:
+        assert (block, made) == (iters, 0)
+    assert world.allgather((block, made)) == [(block, made)] * world.Get_size()  # every rank agrees
+
+
+@pytest.mark.mpi
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("redops", ["sum,avg", "prod,min,max"])
+def test_check_path_is_warning_free_for_every_dtype_and_op(redops):
+    """Many timed calls of an in-place all-reduce and the check, on every dtype, warnings as errors: the timing
+    data must not grow. Sums of the check inputs grow by p per call (float16 overflowed after ~6 calls at p = 2,
+    float32 after ~120): -n gives 2**130 of growth at this p; products of them go to the p-th power per call:
+    12 calls overflow every float. (float64 sums need ~1000 calls: test_timing_data_is_a_fixed_point... covers
+    them without the time.)"""
+    p = MPI.COMM_WORLD.Get_size()
+    if p == 1:
+        calls = 2  # an all-reduce over one rank is the identity: nothing can grow
+    else:
+        calls = math.ceil(130 / math.log2(p)) if redops == "sum,avg" else 12
+    rows, _ = bench("--op", "allreduce", "--dtype", "all", "--redop", redops, "-b", "24", "-e", "24", "-w", "0",
+                    "-n", str(calls), "--rounds", "1", "--algorithms", "ring", "--check", "--timeout", "20")
+    assert {r["dtype"] for r in rows} == set(DTYPES) - ({"bool"} if redops == "sum,avg" else set())
+    bad = [r for r in rows if r["wrong"] != 0 or r["identical"] is False]
+    assert not bad, bad[:3]
+
+
+@pytest.mark.mpi
+@pytest.mark.filterwarnings("error")
 @pytest.mark.parametrize("operation", ["allreduce", "reduce_scatter"])
 def test_check_every_dtype_and_redop(operation):
     rows, _ = bench("--op", operation, "--dtype", "all", "--redop", "all", "-b", "24", "-e", "24", "-w", "0", "-n", "1",
@@ -72,6 +116,7 @@ def test_check_every_dtype_and_redop(operation):
     assert {r["op"] for r in rows} == {"sum", "prod", "min", "max", "avg"}
     bad = [r for r in rows if r["wrong"] != 0 or r["identical"] is False]
     assert not bad, bad[:3]
+
 
 
 @pytest.mark.mpi
@@ -97,10 +142,13 @@ def test_check_catches_a_broken_algorithm(monkeypatch):
 
 @pytest.mark.mpi
 def test_json_rows_and_plot(tmp_path_factory):
+    """--json writes the contract's keys; --plot draws one labelled line per algorithm and the memcpy ceiling
+    (an SVG through the CLI, whose text labels can be read back, and a PNG from the same rows)."""
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib: install the [plot] extra (make does)")
     world = MPI.COMM_WORLD
     folder = world.bcast(str(tmp_path_factory.mktemp("bench")) if world.Get_rank() == 0 else None)
-    path_json, path_png = os.path.join(folder, "rows.json"), os.path.join(folder, "bw.png")
-    rows, text = bench("--op", "all_gather", "--json", path_json, "--plot", path_png, *QUICK)
+    path_json, path_svg = os.path.join(folder, "rows.json"), os.path.join(folder, "bw.svg")
+    rows, text = bench("--op", "all_gather", "--json", path_json, "--plot", path_svg, *QUICK)
     world.Barrier()
     if world.Get_rank() == 0:
         written = json.loads(Path(path_json).read_text())
@@ -110,18 +158,35 @@ def test_json_rows_and_plot(tmp_path_factory):
             assert row["busbw"] == pytest.approx(row["algbw"] * (world.Get_size() - 1) / world.Get_size())
             assert row["algbw"] == pytest.approx(row["size"] / (row["time_us"] * 1e-6) / 1e9)
             assert row["size"] == row["count"] * world.Get_size() * 4  # float32, count per rank (nccl-tests)
+        assert "memcpy" in text and "MPI library" in text and "vs_native" in text and "overhead" in text
+        svg = Path(path_svg).read_text()
+        labels = {r["algorithm"] for r in rows}
+        assert labels == set(COLLECTIVES["all_gather"].algorithms()) | {RAW}
+        for label in labels:  # matplotlib's SVG writes each text it draws as a comment
+            assert f"<!-- {label} -->" in svg, label
+        assert "<!-- memcpy" in svg
+        path_png = os.path.join(folder, "bw.png")
+        plot(rows, path_png, {"operation": "all_gather", "ranks": world.Get_size(), "nodes": 1, "dtypes": ["float32"],
+                              "redops": ["none"], "memcpy_GBps": 1.0})
+        from matplotlib.image import imread
+
         assert Path(path_png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert "memcpy" in text and "MPI library" in text and "vs_native" in text
+        assert imread(path_png).shape == (600, 960, 4)  # 8 x 5 inches at 120 dpi
 
 
 @pytest.mark.mpi
-def test_vs_native_and_auto_rows():
-    rows, _ = bench("-b", "1K", "-e", "1K", "-w", "1", "-n", "2")
+def test_vs_native_overhead_and_auto_rows():
+    rows, text = bench("-b", "1K", "-e", "1K", "-w", "1", "-n", "2")
     native = next(r for r in rows if r["algorithm"] == "native")
-    assert native["vs_native"] == pytest.approx(1.0)
+    raw = next(r for r in rows if r["algorithm"] == RAW)
+    assert [r["algorithm"] for r in rows][:2] == [RAW, "native"]
+    assert native["vs_native"] == pytest.approx(1.0) and raw["overhead"] == pytest.approx(1.0)
     for row in rows:
         assert row["vs_native"] == pytest.approx(native["time_us"] / row["time_us"])
+        assert row["overhead"] == pytest.approx(row["time_us"] / raw["time_us"])
         assert row["wrong"] is None  # not checked without --check
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert "MPI.Comm.Allreduce(IN_PLACE)" in text and "median overhead over mpi4py-raw" in text
     auto = next(r for r in rows if r["algorithm"] == "auto")
     assert auto["resolved"] is None or auto["resolved"] in REGISTRY["allreduce"]
 
@@ -151,25 +216,92 @@ def test_sizes_and_suffixes():
     assert parse_size("1G") == 2**30 and parse_size("16KB") == 16384
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8", "uint8", "complex64", "int64"])
-@pytest.mark.parametrize("redop", ["sum", "prod", "min", "max", "avg"])
-def test_reference_is_exact_in_any_order(dtype, redop):
-    from mpcomm.bench.base import BFLOAT16
+def test_block_lasts_the_block_time_or_the_call_cap_within_the_budget():
+    calls_for_block_time = math.ceil(BLOCK_SECONDS / 60e-6)
+    assert block_calls(5e-6, 1000, 0.33) == 1000                  # 1000 calls come first (5 ms)
+    assert block_calls(60e-6, 1000, 0.33) == calls_for_block_time  # 10 ms comes first
+    assert block_calls(60e-6, 20, 0.33) == 20                     # an explicit -n caps it
+    assert block_calls(1e-4, 1000, 0.005) == 50                   # the budget caps it
+    assert block_calls(0.03, 1000, 0.33) == 1 and block_calls(5.0, 1000, 0.33) == 1  # never below one call
+    assert block_calls(0.0, 7, 1.0) == 7
 
-    dt = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
-    if redop == "avg" and dt.kind in "iu" or redop in ("min", "max") and dt.kind == "c":
-        pytest.skip("unsupported by the contract")
-    p = 4
-    inputs = [rank_input(r, 500, dt, redop, p) for r in range(p)]
-    forward = reference_reduce(inputs, dt, redop)
-    backward = reference_reduce(inputs[::-1], dt, redop)
-    assert count_wrong(forward, backward) == 0
-    if redop == "sum":  # the same sum accumulated naively in the dtype itself is exact too
-        acc = inputs[0].copy()
-        for x in inputs[1:]:
-            acc = (acc + x).astype(dt)
-        assert count_wrong(acc, forward) == 0
-    assert count_wrong(sentinel_like(forward), forward) == forward.size
+
+def _exact(column: list, redop: str):
+    """One element's reduction over the ranks in Python's exact arithmetic: integers, Gaussian integers as
+    (re, im) pairs for complex, a Fraction for a real avg (the inputs are integer-valued)."""
+    if isinstance(column[0], tuple):
+        if redop == "prod":
+            def times(a, b):
+                return a[0] * b[0] - a[1] * b[1], a[0] * b[1] + a[1] * b[0]
+            value = column[0]
+            for z in column[1:]:
+                value = times(value, z)
+            return value
+        return sum(z[0] for z in column), sum(z[1] for z in column)  # avg: the sum (see the test)
+    reduce = {"sum": sum, "prod": math.prod, "min": min, "max": max}
+    return Fraction(sum(column), len(column)) if redop == "avg" else reduce[redop](column)
+
+
+def _as_python(value, complex_: bool):
+    if complex_:
+        assert value.real == int(value.real) and value.imag == int(value.imag)
+        return int(value.real), int(value.imag)
+    assert float(value) == int(value)
+    return int(value)
+
+
+def _supported(dtype: str, redop: str) -> bool:
+    try:
+        check_dtype_op(np.dtype(DTYPES[dtype]), redop, "allreduce")
+    except TypeError:
+        return False
+    return True
+
+
+SUPPORTED = [(d, r) for d in DTYPES for r in REDOPS if _supported(d, r)]
+
+
+@pytest.mark.parametrize("p", [3, 4])
+@pytest.mark.parametrize("dtype, redop", SUPPORTED)
+def test_reference_is_exact_arithmetic_and_exact_in_any_order(dtype, redop, p):
+    """The reference equals Python's exact arithmetic element by element (no numpy reduction involved), and
+    the inputs reduce to that same value in the dtype itself in every rank order: so any correct algorithm,
+    whatever its order, matches the reference bitwise."""
+    dt = np.dtype(DTYPES[dtype])
+    complex_ = dt.kind == "c"
+    inputs = [rank_input(r, 100, dt, redop, p) for r in range(p)]
+    as_python = [[_as_python(v, complex_) for v in x.astype(np.complex128 if complex_ else np.float64)]
+                 for x in inputs]
+    exact = [_exact(list(column), redop) for column in zip(*as_python)]
+    if complex_:
+        expected = np.array([complex(re, im) for re, im in exact]).astype(dt)
+        if redop == "avg":  # the contract divides the exact sum in the dtype; numpy's complex division by p+0j
+            expected = expected / np.array(p, dtype=dt)  # multiplies by 1/p: not the correctly rounded quotient
+    else:
+        expected = np.array([float(v) for v in exact]).astype(dt)  # float() of a Fraction is correctly rounded
+    assert count_wrong(reference_reduce(inputs, dt, redop), expected) == 0
+    ufunc = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[redop]
+    for order in itertools.permutations(range(p)):
+        acc = inputs[order[0]].copy()
+        for r in order[1:]:
+            acc = ufunc(acc, inputs[r]).astype(dt)  # accumulated in the dtype itself
+        if redop == "avg":
+            acc = (acc / np.array(p, dtype=dt)).astype(dt)
+        assert count_wrong(acc, expected) == 0, order
+    assert count_wrong(sentinel_like(expected), expected) == expected.size
+
+
+@pytest.mark.parametrize("dtype, redop", SUPPORTED)
+def test_timing_data_is_a_fixed_point_of_the_reduction(dtype, redop):
+    """An in-place all-reduce feeds each timed call its previous result: the timing data must reduce to itself
+    (for min/max after the first call), or thousands of calls overflow."""
+    dt = np.dtype(DTYPES[dtype])
+    for p in (2, 3, 4):
+        data = [steady_input(rank_input(r, 100, dt, redop, p), redop) for r in range(p)]
+        settled = reference_reduce(data, dt, redop)
+        assert count_wrong(reference_reduce([settled] * p, dt, redop), settled) == 0, p
+        if redop in ("sum", "avg", "prod"):
+            assert count_wrong(settled, data[0]) == 0, p
 
 
 def test_count_wrong_values():
@@ -217,11 +349,26 @@ def test_cli_runs_with_one_process_without_mpiexec(tmp_path):
     assert all(r["wrong"] == 0 for r in json.loads(out.read_text()))
 
 
+def _mpiexec() -> str:
+    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec")
+    return found
+
+
+@pytest.mark.skipif(_under_mpiexec(), reason="launches mpiexec itself; run it in the serial pytest pass")
+def test_bench_trust_script_runs():
+    """bench/bench_trust.py (default timing vs a long loop, measured by hand) runs and reports its ratio."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench_trust.py"
+    proc = subprocess.run([_mpiexec(), "-n", "2", sys.executable, str(script), "--repeat", "1", "--calls", "50"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "driver native / 50-call loop: median" in proc.stdout, proc.stdout
+
+
 @pytest.mark.skipif(_under_mpiexec(), reason="launches mpiexec itself; run it in the serial pytest pass")
 def test_run_main_aborts_the_job_when_one_rank_raises(tmp_path):
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("no mpiexec")
+    mpiexec = _mpiexec()
     script = tmp_path / "fails.py"
     script.write_text(textwrap.dedent("""
         from mpi4py import MPI

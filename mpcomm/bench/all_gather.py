@@ -1,13 +1,17 @@
-"""All-gather: size is the full (receive) buffer, count the elements each rank sends. busbw = algbw * (p-1)/p."""
+"""All-gather: size is the full (receive) buffer, count the elements each rank sends. busbw = algbw * (p-1)/p.
+Raw: ``MPI.Comm.Allgather`` of the bytes."""
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
-from .base import Collective, sentinel_like
+from .base import RAW, Collective, sentinel_like
 
 
 class AllGather(Collective):
     name = "all_gather"
+    raw_call = "Allgather"
     reduces = False
     per_rank_count = True
 
@@ -19,13 +23,16 @@ class AllGather(Collective):
         self.send = self.input_of(self.rank)
         self.recv = np.zeros(self.count * self.p, self.dtype)
 
-    def step(self, algorithm: str) -> None:
-        self.comm.all_gather(self.send, self.recv, algorithm=algorithm)
+    def fill(self, check: bool) -> None:
+        if check:
+            self.recv[...] = sentinel_like(self.expected())
 
-    def reset(self) -> None:
-        self.recv[...] = sentinel_like(self.expected())
+    def call(self, algorithm: str):
+        if algorithm == RAW:
+            return partial(self.raw_comm.Allgather, self.send.view(np.uint8), self.recv.view(np.uint8))
+        return partial(self.comm.all_gather, self.send, self.recv, algorithm=algorithm)
 
-    def result(self):
+    def result(self, algorithm: str):
         return self.recv
 
     def compute_expected(self):

@@ -1,20 +1,32 @@
-"""What every benchmarked collective shares: exact test inputs, the reference reduction, the check.
+"""What every benchmarked collective shares: exact test inputs, the reference reduction, the check, the raw call.
 
 Inputs are small integers (in the benchmark's dtype) chosen so that every reduction is exact in that dtype
 for any summation order: then every correct algorithm gives *bitwise* the numpy reference computed here in
 float64/int64, independently of mpcomm's own code (as nccl-tests does with its integer-valued data).
 Each rank can regenerate any rank's input from ``(seed, rank)``, so the reference needs no communication.
+
+Timed calls run on *steady* data instead (:func:`steady_input`): an in-place all-reduce feeds each call's result
+to the next, so thousands of timed sums of the check inputs would grow by a factor p per call and overflow
+(float16 after ~6 calls at p = 2, float32 after ~120). The check refills the inputs right before its one call.
+
+Every case also times :data:`RAW`: the MPI library's blocking collective called straight from mpi4py on a
+private duplicate communicator, on the same element count in the dtype mpcomm hands MPI (:func:`wire_dtype`:
+float16/bfloat16 reduce as float32, bool as uint8; data movement as bytes), so mpcomm's own cost shows.
 """
 from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
+from ..buffers import wire_dtype
+
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+RAW = "mpi4py-raw"  # the algorithm name of the raw mpi4py rows
 
 # Largest integer every value up to which is exact in the dtype (floats) or fits it (integers).
 _EXACT = {
@@ -66,6 +78,32 @@ def rank_input(rank: int, count: int, dtype, redop: str, p: int, seed: int = 123
     if kind(dtype) == "f":
         return values.astype(np.float64).astype(dtype)
     return values.astype(dtype)
+
+
+def steady_input(values: np.ndarray, redop: str) -> np.ndarray:
+    """Timing data that an in-place reduction over any number of ranks maps to itself, so that no number of
+    timed calls can overflow or drift: 0 for sum/avg, 1 for prod; for min/max ``values`` (after the first call
+    every rank holds the same result, which min/max leave as it is)."""
+    if redop in ("sum", "avg"):
+        return np.zeros_like(values)
+    if redop == "prod":
+        return np.ones_like(values)
+    return values.copy()
+
+
+def wire_buffer(array: np.ndarray) -> np.ndarray:
+    """``array`` itself where MPI reduces its dtype directly, else a copy in the dtype MPI reduces for mpcomm
+    (float16/bfloat16 -> float32, bool -> uint8)."""
+    wire = wire_dtype(array.dtype)
+    return array if wire == array.dtype else array.astype(wire)
+
+
+def from_the_wire(wire: np.ndarray, dtype, redop: str, p: int) -> np.ndarray:
+    """A raw reduction's result in ``dtype``: cast back, and for avg (MPI has none: the raw call sums) the sum
+    divided by p once in the dtype, as :func:`reference_reduce` does."""
+    dtype = np.dtype(dtype)
+    result = wire.astype(dtype)
+    return result / np.array(p, dtype=dtype) if redop == "avg" else result
 
 
 def reference_reduce(inputs, dtype, redop: str) -> np.ndarray:
@@ -127,10 +165,12 @@ class Collective(ABC):
     """One benchmark case: a collective at one (count, dtype, redop) on one communicator.
 
     Subclasses (one small file each) say how to allocate and refill their buffers, how to run one call of
-    an algorithm, which array is the result and what it should be. The driver does everything else.
+    an algorithm (and of :data:`RAW`), which array is the result and what it should be. The driver does
+    everything else.
     """
 
     name = ""
+    raw_call = ""      # the mpi4py call timed as RAW, for the header
     reduces = True     # takes a reduction op
     per_rank_count = False   # "count" is elements per rank and "size" the full buffer (reduce_scatter, all_gather)
     replicated = True  # every rank ends with the same result (checked bitwise across ranks)
@@ -160,7 +200,9 @@ class Collective(ABC):
         self.comm, self.count, self.dtype, self.redop, self.root, self.seed = comm, count, np.dtype(dtype), redop, root, seed
         self.p, self.rank = comm.size, comm.rank
         self._expected = None
+        self.raw_comm = comm.mpi.Dup()  # the raw calls' own communicator: nothing of mpcomm's can match them
         self.setup()
+        self.fill(check=False)
 
     # -- helpers for subclasses
     def input_of(self, rank: int, count: int | None = None) -> np.ndarray:
@@ -175,38 +217,42 @@ class Collective(ABC):
     # -- what subclasses define
     @abstractmethod
     def setup(self) -> None:
-        """Allocate the buffers and fill the inputs."""
+        """Allocate the buffers (:meth:`fill` fills them)."""
 
     @abstractmethod
-    def step(self, algorithm: str) -> None:
-        """One call of the collective with ``algorithm``."""
+    def call(self, algorithm: str) -> Callable[[], object]:
+        """One call of the collective with ``algorithm`` (or :data:`RAW`) as a function of no arguments,
+        bound once so that the timed loop pays nothing but the call."""
 
     @abstractmethod
-    def reset(self) -> None:
-        """Restore the inputs and poison the outputs, before the checked call."""
+    def fill(self, check: bool) -> None:
+        """Fill the inputs: the check inputs with poisoned outputs (``check``), else the timing data
+        (which must stay finite however many calls run on it: :func:`steady_input`)."""
 
     @abstractmethod
-    def result(self) -> np.ndarray:
-        """The array the checked call wrote."""
+    def result(self, algorithm: str) -> np.ndarray:
+        """The result of the checked call of ``algorithm``, in the benchmark's dtype."""
 
     @abstractmethod
     def compute_expected(self) -> np.ndarray:
         """The reference result, from numpy on every rank's inputs."""
 
     def close(self) -> None:
-        """Release what ``setup`` acquired beyond memory (e.g. a private MPI communicator)."""
+        """Release what ``setup`` acquired beyond memory (the raw calls' communicator)."""
+        self.raw_comm.Free()
 
     # -- the check, used by the driver
     def check(self, algorithm: str) -> tuple[int, bool | None]:
         """Run once on fresh inputs: (wrong elements summed over ranks, whether the result is bitwise equal on
-        all ranks; None where results differ per rank by design)."""
-        self.reset()
-        self.step(algorithm)
-        result = self.result()
+        all ranks; None where results differ per rank by design). Leaves the timing data in place."""
+        self.fill(check=True)
+        self.call(algorithm)()
+        result = self.result(algorithm)
         wrong = count_wrong(result, self.expected())
         world = self.comm.mpi
         total = world.allreduce(wrong, op=MPI.SUM)
         identical = self.identical_across_ranks(result) if self.replicated else None
+        self.fill(check=False)
         return total, identical
 
     def identical_across_ranks(self, result: np.ndarray) -> bool:

@@ -17,7 +17,8 @@ from mpi4py import MPI
 
 from ..buffers import SUPPORTED_DTYPES, check_dtype_op
 from ..launch import run_main
-from .driver import COLLECTIVES, Plan, memcpy_bandwidth, sizes, sweep, tty_progress
+from .driver import (BLOCK_SECONDS, COLLECTIVES, Plan, memcpy_bandwidth, sizes, sweep, timed_algorithms,
+                     tty_progress)
 from .report import footer_lines, format_row, header_lines, plot, write_json
 
 REDOPS = ("sum", "prod", "min", "max", "avg")
@@ -88,16 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-b", "--minbytes", type=parse_size, default=8, help="smallest size (default 8)")
     parser.add_argument("-e", "--maxbytes", type=parse_size, default=64 * 2**20, help="largest size (default 64M)")
     parser.add_argument("-f", "--stepfactor", type=_positive_int(2), default=4, help="size multiplier (default 4)")
-    parser.add_argument("-w", "--warmup", type=_positive_int(0), default=5, help="warm-up calls, at most (default 5)")
-    parser.add_argument("-n", "--iters", type=_positive_int(1), default=20, help="timed calls, at most (default 20)")
+    parser.add_argument("-w", "--warmup", type=_positive_int(0), default=5,
+                        help="untimed calls before the first block, at least (they calibrate its length; default 5; "
+                             "0: no warm-up and blocks of exactly -n calls)")
+    parser.add_argument("-n", "--iters", type=_positive_int(1), default=1000,
+                        help=f"calls per timed block, at most: a block lasts {BLOCK_SECONDS * 1e3:g} ms or -n calls, "
+                             "whichever comes first (default 1000)")
     parser.add_argument("--budget", type=_positive_float, default=1.0,
-                        help="seconds of timed calls per point: -n is reduced to fit (default 1.0)")
+                        help="seconds of timed calls per algorithm and point, split over the rounds: caps each "
+                             "block at budget/rounds seconds, at least one call (default 1.0)")
     parser.add_argument("--dtype", type=_names, default=["float32"],
                         help=f"comma list or 'all' of: {', '.join(DTYPES)} (default float32)")
     parser.add_argument("--redop", type=_names, default=["sum"],
                         help=f"comma list or 'all' of: {', '.join(REDOPS)} (default sum; ignored by non-reducing ops)")
     parser.add_argument("--rounds", type=_positive_int(1), default=3,
-                        help="round-robin blocks per point; each algorithm reports its median block (default 3; "
+                        help="round-robin blocks per algorithm and point; each reports its median block (default 3; "
                              "1 = one nccl-tests block)")
     parser.add_argument("--check", action="store_true",
                         help="verify every result bitwise against a numpy reference and across ranks; count #wrong")
@@ -256,9 +262,10 @@ def describe(comm, args, plan: Plan, memcpy_gbps: float, memcpy_bytes: int) -> d
         "dtypes": list(dict.fromkeys(str(d) for d, _ in plan.combos)),
         "redops": list(dict.fromkeys(r for _, r in plan.combos)),
         "root": plan.root,
-        "algorithms": (["native"] if "native" in cls.algorithms() and "native" not in plan.algorithms else [])
-        + plan.algorithms,
+        "algorithms": timed_algorithms(plan.operation, plan.algorithms),
         "native_added": "native" in cls.algorithms() and "native" not in plan.algorithms,
+        "raw_call": cls.raw_call,
+        "block_ms": BLOCK_SECONDS * 1e3,
         "minbytes": args.minbytes,
         "maxbytes": args.maxbytes,
         "stepfactor": args.stepfactor,

@@ -3,12 +3,26 @@
 Timing follows nccl-tests within a block: a barrier before it, back-to-back calls, the per-call time of a
 rank is the mean over the block, and the block's time is the maximum over ranks.  The algorithms of one point
 are timed in ``rounds`` round-robin blocks and each reports its median block, so load drift on a shared machine
-hits every algorithm alike (``rounds=1`` is exactly nccl-tests).
-``iters`` is an upper bound: a warm-up measures the per-call time (maximum over ranks, so every rank
-agrees) and the block is shortened to fit ``budget`` seconds, at least one call, so large sizes stay quick.
+hits every algorithm alike (``rounds=1`` is one nccl-tests block).
+
+How long a block is (``-n``, ``--budget``, ``--rounds``, ``-w``): a block must be long next to the skew with
+which ranks leave the barrier (tens of µs here, more when ranks share cores), or small messages measure the
+barrier.  So a block lasts :data:`BLOCK_SECONDS` (10 ms) or ``iters`` calls (``-n``, default 1000), whichever
+comes first, and never more than ``budget / rounds`` seconds (``--budget`` is per algorithm and point), nor
+fewer than one call.  The length is calibrated once per algorithm and point, in the first round: trial blocks
+of 1, 4, 16, ... calls (they are the warm-up; at least ``warmup`` calls) until one lasts
+:data:`CALIBRATION_SECONDS` (1 ms: long enough that the skew no longer inflates its per-call time) or reaches
+``iters`` calls; trials stop early at half the block's budget.  Later rounds reuse the length after one or two
+untimed calls.  With the defaults an 8 B all-reduce runs 3 blocks of 1000 calls (~5 ms each at p = 2) and a
+64 MiB one 3 blocks of 1 call, so large sizes stay quick.  ``-w 0`` skips warm-up and calibration: every block
+is exactly ``iters`` calls (nccl-tests' fixed count; the budget cannot shorten a block it never measured).
+
+Every point also times :data:`~mpcomm.bench.base.RAW`, the MPI library's blocking collective called straight
+from mpi4py, in the same rounds: ``overhead`` (this time / raw time) is what mpcomm adds to the MPI call.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +33,7 @@ from mpi4py import MPI
 
 from .all_gather import AllGather
 from .allreduce import AllReduce
-from .base import Collective
+from .base import RAW, Collective
 from .broadcast import Broadcast
 from .reduce_scatter import ReduceScatter
 from .sendrecv import SendRecv
@@ -29,6 +43,8 @@ COLLECTIVES: dict[str, type[Collective]] = {
 }
 
 GB = 1e9
+BLOCK_SECONDS = 0.01         # a timed block lasts this long, or -n calls, whichever comes first
+CALIBRATION_SECONDS = 0.001  # a trial block this long measures the per-call time within the barrier's skew
 
 
 def busbw_factor(operation: str, p: int) -> float:
@@ -55,50 +71,61 @@ class Plan:
     sizes: list[int]
     combos: list[tuple[np.dtype, str]]   # (dtype, redop) pairs; redop "none" for non-reducing operations
     warmup: int = 5
-    iters: int = 20
-    budget: float = 1.0
+    iters: int = 1000   # calls per block, at most
+    budget: float = 1.0  # seconds of timed calls per algorithm and point, split over the rounds
     rounds: int = 3
     check: bool = False
     root: int = 0
     seed: int = 1234
     skipped: list[str] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.rounds = max(1, min(self.rounds, self.iters))  # -n stays the most timed calls in all
-
 
 @dataclass
 class Timing:
-    seconds: float
-    iters: int
-    warmup: int
+    seconds: float  # per call
+    iters: int      # timed calls in all rounds
+    warmup: int     # untimed calls (warm-up and calibration)
+    block: int      # calls per block
 
 
-def time_calls(step: Callable[[], None], world: MPI.Comm, warmup: int, iters: int, budget: float) -> Timing:
-    """Max over ranks of the mean per-call time of ``step``, after warm-up, within about ``budget`` seconds."""
-    world.Barrier()
-    done_warmup = 0
-    if warmup > 0:
-        start = MPI.Wtime()
-        step()
-        first = world.allreduce(MPI.Wtime() - start, op=MPI.MAX)
-        done_warmup, estimate = 1, first
-        more = min(warmup - 1, int(0.5 * budget / first) if first > 0 else warmup - 1)
-        if more > 0:
-            world.Barrier()
-            start = MPI.Wtime()
-            for _ in range(more):
-                step()
-            estimate = world.allreduce((MPI.Wtime() - start) / more, op=MPI.MAX)
-            done_warmup += more
-        if estimate > 0:
-            iters = max(1, min(iters, int(budget / estimate)))
+def timed_block(step: Callable[[], object], world: MPI.Comm, calls: int) -> float:
+    """Seconds of ``calls`` back-to-back calls of ``step`` after a barrier: the maximum over ranks."""
     world.Barrier()
     start = MPI.Wtime()
-    for _ in range(iters):
+    for _ in range(calls):
         step()
-    mean = (MPI.Wtime() - start) / iters
-    return Timing(world.allreduce(mean, op=MPI.MAX), iters, done_warmup)
+    return world.allreduce(MPI.Wtime() - start, op=MPI.MAX)
+
+
+def block_calls(per_call: float, iters: int, budget: float) -> int:
+    """Calls in a block: as many as last BLOCK_SECONDS or ``iters``, whichever is fewer, within ``budget``
+    seconds, at least one."""
+    if per_call <= 0:
+        return iters
+    return max(1, min(iters, math.ceil(BLOCK_SECONDS / per_call), int(budget / per_call)))
+
+
+def calibrate(step: Callable[[], object], world: MPI.Comm, warmup: int, iters: int, budget: float) -> tuple[int, int]:
+    """Warm up and choose the block length: (calls per block, untimed calls made).
+
+    Trial blocks of 1, 4, 16, ... calls until one lasts CALIBRATION_SECONDS or reaches ``iters`` calls and at
+    least ``warmup`` calls were made; the trials stop early where the next would pass half of ``budget``.
+    ``warmup`` 0: no trial, blocks of ``iters`` calls.
+    """
+    if warmup <= 0:
+        return iters, 0
+    calls, made, spent = 1, 0, 0.0
+    while True:
+        elapsed = timed_block(step, world, calls)
+        made, spent = made + calls, spent + elapsed
+        settled = elapsed >= CALIBRATION_SECONDS or calls >= iters
+        if settled and made >= warmup:
+            break
+        grown = min(4 * calls, iters) if not settled else calls
+        if spent + elapsed * grown / calls > budget / 2:
+            break
+        calls = grown
+    return block_calls(elapsed / calls, iters, budget), made
 
 
 def memcpy_bandwidth(nbytes: int, world: MPI.Comm, budget: float = 0.05, reps: int = 20) -> float:
@@ -130,17 +157,25 @@ def resolved_algorithm(comm, operation: str, nbytes: int, dtype) -> str | None:
         return None
 
 
+def timed_algorithms(operation: str, algorithms: list[str]) -> list[str]:
+    """The rows of every point, in order: the raw MPI call, "native" (the ``vs_native`` baseline, added when
+    the operation has one), then the requested algorithms."""
+    cls = COLLECTIVES[operation]
+    baselines = [RAW] + (["native"] if "native" in cls.algorithms() else [])
+    return baselines + [a for a in algorithms if a not in baselines]
+
+
 def sweep(comm, plan: Plan, on_rows: Callable[[list[dict]], None] | None = None,
           progress: Callable[[int, int, str], None] | None = None) -> list[dict]:
     """Run every (size, dtype, redop, algorithm) point of ``plan``; returns the rows (identical on every rank).
 
-    "native" is always timed first at each point when the operation has one, so ``vs_native`` (native time
-    divided by this algorithm's time, > 1 = faster than native) is known for every row.
+    The raw MPI call and "native" (when the operation has one) are timed at every point, so ``overhead``
+    (this time / raw time) and ``vs_native`` (native time / this time, > 1 = faster than native) are known
+    for every row.
     """
     cls = COLLECTIVES[plan.operation]
     world, p = comm.mpi, comm.size
-    order = (["native"] if "native" in cls.algorithms() else []) + [a for a in plan.algorithms if a != "native"]
-    shown = plan.algorithms if "native" in plan.algorithms or "native" not in order else ["native"] + plan.algorithms
+    order = timed_algorithms(plan.operation, plan.algorithms)
     total = len(plan.sizes) * len(plan.combos) * len(order)
     rows: list[dict] = []
     done = 0
@@ -152,54 +187,62 @@ def sweep(comm, plan: Plan, on_rows: Callable[[list[dict]], None] | None = None,
                 continue
             seen.add(size)
             case = cls(comm, count, dtype, redop if cls.reduces else "sum", plan.root, plan.seed)
-            results: dict[str, dict] = {}
+            block = []
             try:
                 timings = _interleaved_timings(case, order, world, plan)
                 for algorithm in order:
                     if progress is not None:
                         progress(done, total, f"{plan.operation} {size} B {dtype} {redop} {algorithm}")
                     wrong, identical = case.check(algorithm) if plan.check else (None, None)
-                    results[algorithm] = _row(plan, cls, comm, size, count, dtype, redop, algorithm,
-                                              timings[algorithm], wrong, identical)
+                    block.append(_row(plan, cls, comm, size, count, dtype, redop, algorithm, timings[algorithm],
+                                      wrong, identical))
                     done += 1
             finally:
                 case.close()
-            native = results.get("native")
-            block = []
-            for algorithm in shown:
-                row = results[algorithm]
-                row["vs_native"] = (native["time_us"] / row["time_us"]) if native and row["time_us"] > 0 else None
-                block.append(row)
+            _compare(block)
             rows.extend(block)
             if on_rows is not None:
                 on_rows(block)
     return rows
 
 
+def _compare(block: list[dict]) -> None:
+    """Fill ``vs_native`` and ``overhead`` of the rows of one point."""
+    times = {row["algorithm"]: row["time_us"] for row in block}
+    native, raw = times.get("native"), times[RAW]
+    for row in block:
+        mine = row["time_us"]
+        row["vs_native"] = native / mine if native and mine > 0 else None
+        row["overhead"] = mine / raw if raw > 0 else None
+
+
 def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Plan) -> dict[str, Timing]:
     """Time every algorithm of one point in ``plan.rounds`` round-robin rounds; per algorithm the median round.
 
-    Each round is an nccl-tests block (:func:`time_calls`) with ``budget / rounds`` seconds; the first round
-    warms up and fixes the block length the later rounds reuse (after one or two untimed calls each); each
-    round starts one algorithm later than the one before.  Round-robin puts every algorithm under the
-    same load drift of a shared machine, so two algorithms that are really equal also measure equal.
+    Each round is an nccl-tests block (:func:`timed_block`) with ``budget / rounds`` seconds; the first round
+    calibrates the block length (:func:`calibrate`, which is also the warm-up) and the later rounds reuse it
+    after one or two untimed calls; each round starts one algorithm later than the one before.  Round-robin
+    puts every algorithm under the same load drift of a shared machine, so two algorithms that are really equal
+    also measure equal.
     """
-    rounds = plan.rounds
-    blocks: dict[str, list[Timing]] = {a: [] for a in algorithms}
+    rounds, budget = plan.rounds, plan.budget / plan.rounds
+    steps = {a: case.call(a) for a in algorithms}
+    blocks: dict[str, list[float]] = {a: [] for a in algorithms}
+    length: dict[str, tuple[int, int]] = {}
     for r in range(rounds):
         shift = r % len(algorithms)  # rotate the order, so no algorithm always follows the same one
         for algorithm in algorithms[shift:] + algorithms[:shift]:
-            def step(algorithm=algorithm):
-                case.step(algorithm)
+            step = steps[algorithm]
             if r == 0:
-                timing = time_calls(step, world, plan.warmup, plan.iters // rounds, plan.budget / rounds)
+                length[algorithm] = calibrate(step, world, plan.warmup, plan.iters, budget)
             else:
                 # a call or two untimed first: the algorithm before it in the round left other code in the caches
-                warmup, iters = min(plan.warmup, 2), blocks[algorithm][0].iters
-                timing = time_calls(step, world, warmup, iters, plan.budget / rounds)
-            blocks[algorithm].append(timing)
-    return {a: Timing(float(np.median([t.seconds for t in ts])), sum(t.iters for t in ts), ts[0].warmup)
-            for a, ts in blocks.items()}
+                for _ in range(min(plan.warmup, 2)):
+                    step()
+            calls = length[algorithm][0]
+            blocks[algorithm].append(timed_block(step, world, calls) / calls)
+    return {a: Timing(float(np.median(blocks[a])), rounds * length[a][0], length[a][1], length[a][0])
+            for a in algorithms}
 
 
 def _row(plan, cls, comm, size, count, dtype, redop, algorithm, timing: Timing, wrong, identical) -> dict:
@@ -221,7 +264,10 @@ def _row(plan, cls, comm, size, count, dtype, redop, algorithm, timing: Timing, 
         "wrong": wrong,
         "identical": identical,
         "vs_native": None,
+        "overhead": None,
         "iters": timing.iters,
+        "block": timing.block,
+        "rounds": plan.rounds,
         "warmup": timing.warmup,
         "ranks": comm.size,
         "nodes": getattr(comm, "num_nodes", None),

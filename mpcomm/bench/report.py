@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Iterable
 
-COLUMNS = ("size", "count", "type", "redop", "algorithm", "time_us", "algbw", "busbw", "#wrong", "vs_native")
-_WIDTHS = (12, 12, 10, 6, 20, 12, 10, 10, 8, 9)
-UNITS = ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(x)")
+from .base import RAW
+
+COLUMNS = ("size", "count", "type", "redop", "algorithm", "time_us", "algbw", "busbw", "#wrong", "vs_native",
+           "overhead")
+_WIDTHS = (12, 12, 10, 6, 20, 12, 10, 10, 8, 9, 9)
+UNITS = ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(x)", "(x)")
 
 
 def human_bytes(n: int) -> str:
@@ -26,17 +30,22 @@ def header_lines(meta: dict) -> list[str]:
         f"# ranks {meta['ranks']}   {nodes}",
         f"# dtype {','.join(meta['dtypes'])}   redop {','.join(meta['redops'])}"
         + (f"   root {meta['root']}" if meta["operation"] == "broadcast" else ""),
-        f"# algorithms {','.join(meta['algorithms'])}" + ("   (native always timed: it is the vs_native baseline)"
-                                                          if meta.get("native_added") else ""),
+        f"# algorithms {','.join(meta['algorithms'])}   ({RAW}: MPI.Comm.{meta['raw_call']} straight from mpi4py, "
+        "the overhead baseline" + ("; native always timed: the vs_native baseline)" if meta.get("native_added")
+                                   else ")"),
         f"# sizes {human_bytes(meta['minbytes'])} .. {human_bytes(meta['maxbytes'])} (x{meta['stepfactor']})   "
-        f"warmup <= {meta['warmup']}   iters <= {meta['iters']} within {meta['budget']:g} s per point in "
-        f"{meta.get('rounds', 1)} round-robin rounds   "
         f"check {'on' if meta['check'] else 'off'}",
+        (f"# timed blocks of {meta['block_ms']:g} ms or {meta['iters']} calls, whichever first, <= "
+         f"{meta['budget'] / meta['rounds']:.3g} s each (calibrated after >= {meta['warmup']} warm-up calls)"
+         if meta["warmup"] else f"# timed blocks of exactly {meta['iters']} calls (-w 0: no warm-up, no calibration)")
+        + f"; {meta['rounds']} round-robin rounds per point",
         f"# memcpy {meta['memcpy_GBps']:.2f} GB/s (numpy copy of {human_bytes(meta['memcpy_bytes'])} on rank 0): "
         "the intra-node physical ceiling",
         "# size: bytes of the full buffer; count: elements (per rank for reduce_scatter / all_gather), as nccl-tests",
         "# time: median over rounds of (max over ranks of the mean per-call time); busbw = algbw * "
-        f"{meta['busbw_formula']}; vs_native = native time / this time (>1: faster than native)",
+        f"{meta['busbw_formula']}",
+        "# vs_native = native time / this time (>1: faster than native); "
+        f"overhead = this time / {RAW} time (what mpcomm adds to the MPI call; <1: faster than it)",
     ]
     if meta.get("skipped"):
         lines.append(f"# skipped (unsupported by the contract): {', '.join(meta['skipped'])}")
@@ -54,9 +63,10 @@ def format_row(row: dict) -> str:
     if row.get("identical") is False:
         wrong += "!"  # results differ between ranks
     vs = "-" if row.get("vs_native") is None else f"{row['vs_native']:.2f}"
+    overhead = "-" if row.get("overhead") is None else f"{row['overhead']:.2f}"
     cells = (
         str(row["size"]), str(row["count"]), row["dtype"], row["op"], algorithm,
-        f"{row['time_us']:.1f}", f"{row['algbw']:.3f}", f"{row['busbw']:.3f}", wrong, vs,
+        f"{row['time_us']:.1f}", f"{row['algbw']:.3f}", f"{row['busbw']:.3f}", wrong, vs, overhead,
     )
     return " ".join(c.rjust(w) for c, w in zip(cells, _WIDTHS))
 
@@ -68,11 +78,15 @@ def footer_lines(rows: list[dict], check: bool) -> list[str]:
         differ = sum(1 for r in rows if r.get("identical") is False)
         status = "OK" if wrong == 0 and differ == 0 else "FAILED"
         lines.append(f"# wrong elements in total: {wrong}; rows whose results differ between ranks: {differ}  {status}")
-    by_algorithm: dict[str, list[float]] = {}
+    by_algorithm: dict[str, list[dict]] = {}
     for row in rows:
-        by_algorithm.setdefault(row["algorithm"], []).append(row["busbw"])
-    averages = ", ".join(f"{a} {sum(v) / len(v):.3f}" for a, v in by_algorithm.items())
+        by_algorithm.setdefault(row["algorithm"], []).append(row)
+    averages = ", ".join(f"{a} {statistics.fmean(r['busbw'] for r in rs):.3f}" for a, rs in by_algorithm.items())
     lines.append(f"# average busbw (GB/s): {averages}")
+    overheads = ", ".join(f"{a} {statistics.median(r['overhead'] for r in rs):.2f}" for a, rs in by_algorithm.items()
+                          if a != RAW and all(r.get("overhead") is not None for r in rs))
+    if overheads:
+        lines.append(f"# median overhead over {RAW} (x): {overheads}")
     return lines
 
 
@@ -98,7 +112,8 @@ def plot(rows: Iterable[dict], path: str, meta: dict) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, points in lines.items():
         xs, ys = zip(*sorted(points))
-        style = dict(color="black", linewidth=2.2) if label.startswith("native") else {}
+        style = (dict(color="black", linewidth=2.2) if label.startswith("native") else
+                 dict(color="black", linewidth=1.2, linestyle=":") if label.startswith(RAW) else {})
         ax.plot(xs, ys, marker="o", markersize=3, label=label, **style)
     if meta.get("memcpy_GBps"):
         ax.axhline(meta["memcpy_GBps"], color="grey", linestyle="--", linewidth=1,
