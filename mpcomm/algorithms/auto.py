@@ -6,17 +6,25 @@ and broadcast (``mpcomm.tuning``), so ranks never choose differently.
 
 With a table, the algorithm measured fastest at the nearest measured size (on a log scale) is taken; the
 table is only used for the layout it was measured on. Without one, ``CostModel`` predicts the time of each
-candidate and the cheapest wins. The model is a textbook alpha-beta-gamma model; its constants are rough
-defaults, not measurements, so treat its choices (and ``crossovers``) as the model's opinion: run
-``Communicator.tune()`` on the real machine to replace them by measured choices.
+candidate and the cheapest wins. The model is a textbook alpha-beta-gamma model. When a communicator spans
+several hosts its network constants are measured when it is created (``mpcomm.topology``: the latency and
+the bytes per second of one node's link, agreed by every rank), because they decide between node-aware and
+flat algorithms and differ by 100x between networks; its other constants are rough defaults for a
+shared-memory node, so treat its choices (and ``crossovers``) as the model's opinion: ``Communicator.tune()``
+replaces them by measured choices.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import warnings
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from mpi4py import MPI
+
+from .. import topology
 
 TABLE_FORMAT = "mpcomm-tuning/1"
 
@@ -79,7 +87,10 @@ class CostModel:
     the model kept ``native`` past the measured crossover (between 128 and 512 KiB at p = 2, 512 KiB and 2 MiB
     at p = 4 on 2 cores).
 
-    Defaults are rough guesses for a shared-memory node and a 100 Gb/s-class network, not measurements.
+    Defaults are rough guesses for a shared-memory node and a 100 Gb/s-class network, not measurements;
+    ``with_network`` puts a measured network in (``Selector.default`` does so when the ranks span hosts).
+    Across nodes every algorithm is charged for the bytes each node's link carries (at 2 nodes x 2 ranks:
+    ring 1.5 n, rhd 2 n, hierarchical and native n), which is what decides on a slow network.
     """
 
     alpha_py: float = 25e-6
@@ -91,6 +102,10 @@ class CostModel:
     gamma: float = 1 / 8e9
     native_byte_scale: float = 1.5
     overlap: bool = True
+
+    def with_network(self, network: "topology.NetworkMeasurement") -> "CostModel":
+        """This model with the measured latency and seconds per byte between nodes."""
+        return replace(self, alpha_net=network.latency, beta_net=network.seconds_per_byte)
 
     def for_layout(self, layout: Layout) -> "CostModel":
         """The model as it applies on ``layout``. With more ranks than cores (``ranks_per_core`` r > 1) every
@@ -135,11 +150,12 @@ class CostModel:
             distance, part = distance // 2, part / 2
         return total
 
-    def tree(self, n: float, layout: Layout) -> float:
+    def tree(self, n: float, layout: Layout, alpha: float | None = None) -> float:
         """Binomial reduce to rank 0 then binomial broadcast: every round moves the whole vector."""
         total, mask = 0.0, 1
         while mask < layout.size:
-            a, b = self._link(layout.num_nodes > 1 and mask >= layout.ranks_per_node, self.alpha_py)
+            a, b = self._link(layout.num_nodes > 1 and mask >= layout.ranks_per_node,
+                              self.alpha_py if alpha is None else alpha)
             total += 2 * (a + n * b) + n * self.gamma
             mask <<= 1
         return total
@@ -151,11 +167,11 @@ class CostModel:
             return inner + self._across(n / q, nodes, q)
         return self.tree(n, Layout(q, (q,))) + self._across(n, nodes, 1)  # leader variant
 
-    def _across(self, n: float, nodes: int, sharing: int) -> float:
+    def _across(self, n: float, nodes: int, sharing: int, alpha: float | None = None) -> float:
         """rhd all-reduce of n bytes among one rank per node, ``sharing`` such groups per link at once."""
         if nodes == 1:
             return 0.0
-        a, b = self._link(True, self.alpha_py)
+        a, b = self._link(True, self.alpha_py if alpha is None else alpha)
         rounds = math.ceil(math.log2(nodes))
         return 2 * rounds * a + 2 * (nodes - 1) / nodes * n * b * sharing + (nodes - 1) / nodes * n * self.gamma
 
@@ -177,10 +193,40 @@ class CostModel:
             return self.tree(n, layout)
         if algorithm == "hierarchical":
             return self.hierarchical(n, layout)
-        if algorithm == "native":  # MPICH's large-message allreduce is Rabenseifner's rhd, run in C
-            latency = self.rhd(0.0, layout, self.alpha_native)
-            return latency + self.native_byte_scale * (self.rhd(n, layout, self.alpha_native) - latency)
+        if algorithm == "native":
+            return self.native_allreduce(n, layout)
         return math.inf
+
+    def half_allreduce(self, algorithm: str, n: float, layout: Layout) -> float:
+        """A reduce-scatter or all-gather across nodes: one half of the all-reduce of the same scheme (ring's and
+        rhd's all-reduces are exactly reduce-scatter + all-gather), so each node's link carries half its bytes
+        (2 x 2: ring 0.75 n, rhd n). ``native`` is modelled as MPICH's recursive halving/doubling in C, bytes
+        scaled by ``native_byte_scale`` (FSDP full_shard on 2 x 2 measured ~n per native call on each NIC)."""
+        if algorithm in ("ring", "ring_pipelined"):
+            return self.allreduce(algorithm, n, layout) / 2
+        if algorithm == "rhd":
+            return self.rhd(n, layout, self.alpha_py) / 2
+        if algorithm == "native":
+            latency = self.rhd(0.0, layout, self.alpha_native)
+            return (latency + self.native_byte_scale * (self.rhd(n, layout, self.alpha_native) - latency)) / 2
+        return math.inf
+
+    def native_allreduce(self, n: float, layout: Layout) -> float:
+        """The MPI library's all-reduce, run in C, its per-byte terms scaled by ``native_byte_scale``. On one node
+        MPICH's large-message algorithm is Rabenseifner's rhd; across nodes it is node-aware, like MPICH's SMP
+        path: reduce to the node's first rank, all-reduce among those, broadcast in the node (the node's link
+        carries what one rank sends, as for ``hierarchical``). The scale holds across nodes too: on 2 x 2 and
+        4 x 1 simulated nodes at 1 Gbit/s (ci/cluster.sh) native took 1.15-1.35x the best mpcomm algorithm
+        from 4 MiB up, with the same bytes on every NIC."""
+        def cost(nbytes: float) -> float:
+            if layout.num_nodes == 1:
+                return self.rhd(nbytes, layout, self.alpha_native)
+            node = Layout(layout.ranks_per_node, (layout.ranks_per_node,))
+            return self.tree(nbytes, node, self.alpha_native) + self._across(nbytes, layout.num_nodes, 1,
+                                                                             self.alpha_native)
+
+        latency = cost(0.0)
+        return latency + self.native_byte_scale * (cost(n) - latency)
 
     def collective(self, operation: str, algorithm: str, nbytes: int, layout: Layout) -> float:
         if operation == "allreduce":
@@ -188,6 +234,8 @@ class CostModel:
         p = layout.size
         if p == 1:
             return 0.0
+        if operation in ("reduce_scatter", "all_gather") and layout.num_nodes > 1:
+            return self.half_allreduce(algorithm, nbytes, layout)
         alpha = self.alpha_native if algorithm == "native" else self.alpha_py
         a, b = self._link(layout.num_nodes > 1, alpha)
         lg = math.ceil(math.log2(p))
@@ -207,6 +255,7 @@ class Selector:
     candidates: dict[str, tuple[str, ...]]
     model: CostModel = field(default_factory=CostModel)
     table: dict | None = None  # a tuning table (see mpcomm.tuning) measured on this layout
+    network: topology.NetworkMeasurement | None = None  # measured when the ranks span hosts (else None)
     _decided: dict = field(default_factory=dict, init=False, repr=False)  # (operation, bytes, dtype) -> name
 
     @property
@@ -215,10 +264,18 @@ class Selector:
 
     @classmethod
     def default(cls, comm) -> "Selector":
-        """The model-based selector for a Communicator (collective: computes the node layout)."""
+        """The model-based selector for a Communicator (collective: computes the node layout and, when the
+        ranks span several hosts, measures the network between them; env ``MPCOMM_NETWORK_PROBE=0`` skips
+        that and keeps the model's default network)."""
         from . import REGISTRY
 
-        return cls(layout=Layout.of(comm), candidates={op: tuple(algs) for op, algs in REGISTRY.items()})
+        layout, model, network = Layout.of(comm), CostModel(), None
+        probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
+        if layout.num_nodes > 1 and probe and _spans_hosts(comm._sync):
+            network = topology.measure(comm._sync)
+            model = model.with_network(network)
+        return cls(layout=layout, candidates={op: tuple(algs) for op, algs in REGISTRY.items()}, model=model,
+                   network=network)
 
     def choose(self, operation: str, nbytes: int, dtype) -> str:
         """The algorithm for this call; decisions are remembered, so a training loop pays for each once."""
@@ -274,6 +331,17 @@ class Selector:
         where = np.log2(max(nbytes, 1))
         nearest = min(range(len(entry["sizes"])), key=lambda i: abs(np.log2(entry["sizes"][i]) - where))
         return entry["best"][nearest]
+
+
+def _spans_hosts(t) -> bool:
+    """Whether the ranks of transport ``t`` run on more than one host (by processor name; collective, with
+    the deadline). Nodes simulated with ``ranks_per_node`` on one host share its memory: no network to measure."""
+    digest = hashlib.sha256(MPI.Get_processor_name().encode()).digest()
+    name = int.from_bytes(digest[:7], "little")
+    mine, extremes = np.array([name, -name], dtype=np.int64), np.empty(2, dtype=np.int64)
+    with t.running("network probe"):
+        t.wait([t.mpi.Iallreduce(mine, extremes, MPI.MAX)], peers=t.others)
+    return bool(extremes[0] != -extremes[1])
 
 
 # ------------------------------------------------------------------ the model's predictions, for the README
