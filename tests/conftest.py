@@ -32,7 +32,9 @@ OPS = ("sum", "prod", "min", "max", "avg")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under mpiexec every rank gets its own pytest temp root: ranks sharing one race to clean it up."""
+    """Under mpiexec every rank gets its own pytest temp root: ranks sharing one race to clean it up.
+    Marker ``torch``: the test needs PyTorch; ``make test-torch`` installs it and runs every test so marked."""
+    config.addinivalue_line("markers", "torch: needs PyTorch (CPU build); run by `make test-torch`")
     if WORLD.Get_size() > 1 and config.option.basetemp is None:
         name = f"pytest-mpcomm-{os.getppid()}-rank{WORLD.Get_rank()}"  # parent: this job's launcher proxy
         config.option.basetemp = os.path.join(tempfile.gettempdir(), name)

@@ -23,13 +23,16 @@ P = WORLD.Get_size()
 
 
 # ------------------------------------------------------------------------------------------ pipelined ring
+# (n, segment bytes): tiny segments only on the smaller vectors (on a large one they only cost time)
+PIPELINED_CASES = [(n, seg) for n in (0, 1, 7, P + 1, 10_007, 2**20 + 5) for seg in (8, 100, None)
+                   if seg is None or n <= 20_000]
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("segment_bytes", [8, 100, None], ids=["seg8B", "seg100B", "default"])
-@pytest.mark.parametrize("n", [0, 1, 7, P + 1, 10_007, 2**20 + 5])
+@pytest.mark.parametrize("n, segment_bytes", PIPELINED_CASES,
+                         ids=[f"{n}-{'default' if seg is None else f'seg{seg}B'}" for n, seg in PIPELINED_CASES])
 def test_pipelined_allreduce(comm, monkeypatch, n, segment_bytes):
     if segment_bytes is not None:
-        if n > 20_000:
-            pytest.skip("tiny segments on a large vector only cost time")
         monkeypatch.setattr(pipelined, "SEGMENT_BYTES", segment_bytes)
     x = make_input(np.float32, "sum", (n,), comm.rank, seed=n)
     y = x.copy()
@@ -246,17 +249,58 @@ def test_cost_model_shapes():
 
 
 
-def test_oversubscribed_hosts_prefer_fewer_steps():
-    """With 2 ranks per core nothing overlaps and every step waits for a peer to be scheduled: the model moves
-    large messages from the pipelined ring (2(p-1) steps, many segments) to rhd (2 log p steps)."""
-    candidates = {"allreduce": ("ring", "ring_pipelined", "rhd", "tree", "native")}
-    own_cores = Selector(Layout(4, (4,)), candidates)
-    shared = Selector(Layout(4, (4,), ranks_per_core=2.0), candidates)
-    assert own_cores.predict("allreduce", 2**26) == "ring_pipelined"
-    assert shared.predict("allreduce", 2**26) == "rhd"
-    assert shared.predict("allreduce", 8) == own_cores.predict("allreduce", 8) == "native"
-    assert CostModel().for_layout(Layout(4, (4,))) == CostModel()
-    assert Layout(4, (4,), ranks_per_core=2.0) == Layout(4, (4,))  # a property of the host, not of the shape
+MODEL_LAYOUTS = [Layout(1, (1,)), Layout(2, (2,)), Layout(3, (3,)), Layout(4, (4,)), Layout.blocks(3, 2),
+                 Layout.blocks(4, 2), Layout.blocks(64, 8), Layout(4, (4,), ranks_per_core=2.0),
+                 Layout(8, (4, 4), ranks_per_core=1.5)]
+MODEL_SIZES = [0, 1, 8, 1000, 4096, 65536, 2**20, 2**26]
+
+
+@pytest.mark.parametrize("layout", MODEL_LAYOUTS, ids=lambda lay: f"{lay.node_sizes}-rpc{lay.ranks_per_core:g}")
+def test_model_choice_is_its_cheapest_candidate(layout):
+    """Without a table, auto takes the candidate the model prices lowest on this layout (ranks sharing cores
+    included), and only ever one of the candidates it was given — whatever the model's constants are."""
+    everything = {op: tuple(sorted(algs)) for op, algs in REGISTRY.items()}
+    for candidates in (everything, {op: algs[:1] for op, algs in everything.items()},
+                       {op: algs[::-2] for op, algs in everything.items()}):
+        selector = Selector(layout, candidates)
+        model = selector.model.for_layout(layout)
+        for operation, names in candidates.items():
+            for n in MODEL_SIZES:
+                costs = {a: model.collective(operation, a, n, layout) for a in names}
+                pick = selector.choose(operation, n, np.float32)
+                assert pick in names and costs[pick] == min(costs.values()), (operation, n, pick, costs)
+                assert selector.predict(operation, n, candidates=names[-1:]) == names[-1]
+
+
+def test_ranks_sharing_cores_only_slow_the_model():
+    """More ranks than cores can only make a predicted time longer, never shorter; with a core each the model is
+    unchanged, and the layout (what a tuning table is matched on) does not depend on it."""
+    model = CostModel()
+    for layout in MODEL_LAYOUTS:
+        own = Layout(layout.size, layout.node_sizes)
+        shared = Layout(layout.size, layout.node_sizes, ranks_per_core=2.0)
+        assert model.for_layout(own) == model and shared == own
+        for operation, algorithms in REGISTRY.items():
+            for algorithm in algorithms:
+                for n in MODEL_SIZES:
+                    alone = model.for_layout(own).collective(operation, algorithm, n, own)
+                    crowded = model.for_layout(shared).collective(operation, algorithm, n, shared)
+                    assert crowded >= alone, (operation, algorithm, n, layout)
+
+
+def test_tuned_table_wins_over_the_model():
+    """A table measured on the same layout decides where it has entries, even for the algorithm the model
+    prices highest and on a host where ranks share cores; operations it does not cover fall back to the model."""
+    layout = Layout(4, (4,), ranks_per_core=2.0)
+    candidates = {op: tuple(sorted(algs)) for op, algs in REGISTRY.items()}
+    selector = Selector(layout, candidates)
+    model = selector.model.for_layout(layout)
+    sizes = [8, 4096, 2**20]
+    worst = [max(candidates["allreduce"], key=lambda a: model.collective("allreduce", a, n, layout)) for n in sizes]
+    assert any(w != selector.predict("allreduce", n) for w, n in zip(worst, sizes))
+    assert selector.load(_table(Layout(4, (4,)), sizes, worst))
+    assert [selector.choose("allreduce", n, np.float32) for n in sizes] == worst
+    assert selector.choose("broadcast", 4096, np.float32) == selector.predict("broadcast", 4096)
 
 
 @pytest.mark.mpi

@@ -11,6 +11,7 @@ pass or fail each assertion together.
 from __future__ import annotations
 
 import array
+import time
 
 import ml_dtypes
 import numpy as np
@@ -398,4 +399,44 @@ def test_stats_count_calls_and_bytes():
     assert stats["all_gather"]["rhd"]["bytes"] == 16 * c.size
     for by_algorithm in stats.values():
         for record in by_algorithm.values():
-            assert set(record) >= {"calls", "bytes", "seconds"} and record["seconds"] >= 0.0
+            assert set(record) >= {"calls", "bytes", "seconds"} and record["seconds"] > 0.0
+
+
+LATE = 0.5  # seconds rank 0 starts late in test_stats_seconds_are_measured
+STATS_CALLS = {  # (operation, algorithm) -> the call on a Communicator
+    ("allreduce", "ring"): lambda c: c.allreduce(np.ones(1000), algorithm="ring"),
+    ("reduce_scatter", "rhd"): lambda c: c.reduce_scatter(np.ones(1000 * c.size), np.empty(1000), algorithm="rhd"),
+    ("all_gather", "native"): lambda c: c.all_gather(np.ones(1000), np.empty(1000 * c.size), algorithm="native"),
+    ("broadcast", "tree"): lambda c: c.broadcast(np.ones(1000), root=0, algorithm="tree"),
+    ("allreduce", "tree"): lambda c: c.iallreduce(np.ones(1000), algorithm="tree").wait(),  # on the progress thread
+}
+
+
+@pytest.mark.parametrize("key", list(STATS_CALLS), ids=["-".join(k) for k in STATS_CALLS])
+def test_stats_seconds_are_measured(key):
+    """stats()["seconds"] is the time measured inside the call: above 0, at most the wall time around the call, and
+    where rank 0 starts LATE s after the others, on every other rank at least the time it waited for rank 0 (it
+    cannot finish before rank 0 has started), less 0.25 s for the bookkeeping before the clock starts. Zero, or
+    an estimate from the byte count, fails."""
+    c = Communicator(WORLD)
+    try:
+        WORLD.Barrier()
+        if c.rank == 0 and c.size > 1:
+            time.sleep(LATE)  # the others wait for rank 0 inside the call
+
+        def timed():
+            start = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of this host
+            STATS_CALLS[key](c)
+            return start, time.monotonic() - start
+
+        everyone = run_gathered(timed)
+        recorded = WORLD.allgather(c.stats().get(key[0], {}).get(key[1]))
+    finally:
+        c.free()
+    rank0_start = everyone[0][0]
+    for r, ((start, wall), record) in enumerate(zip(everyone, recorded)):
+        assert record is not None and record["calls"] == 1, f"rank {r}: stats() has no {key}: {record}"
+        assert 0.0 < record["seconds"] <= wall, f"rank {r}: recorded {record['seconds']} s, wall {wall} s"
+        if r > 0:
+            waited = rank0_start - start
+            assert record["seconds"] >= waited - 0.25, f"rank {r}: recorded {record['seconds']} s, waited {waited} s"

@@ -297,7 +297,8 @@ def test_adam_matches_reference(wd):
     assert opt.state[0]["step"] == len(GRADS)
 
 
-def test_optimizers_match_torch_if_available():
+@pytest.mark.torch
+def test_optimizers_match_torch():
     torch = pytest.importorskip("torch")
     for make, tmake in [
         (lambda ps: nn.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),

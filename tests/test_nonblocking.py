@@ -1,10 +1,12 @@
 """Non-blocking collectives: several in flight, issue order, mixing with blocking calls, errors through wait(),
-on the progress thread and in progress-on-wait mode (what an MPI without THREAD_MULTIPLE gets).
+on the progress thread and in progress-on-wait mode (what an MPI without THREAD_MULTIPLE gets); and by default,
+progress while the caller computes without waiting.
 
 Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test_nonblocking.py`` (any N >= 1).
 """
 from __future__ import annotations
 
+import time
 import warnings
 
 import numpy as np
@@ -111,16 +113,40 @@ def test_errors_propagate_through_wait(nb):
     assert (y == P).all()
 
 
-def test_progress_without_polling():
-    """On the progress thread an operation completes while the caller never touches it."""
+def start_collective(comm: Communicator, name: str, n: int):
+    """Start non-blocking collective ``name``: (its Work, its output buffer, the value every element ends with)."""
+    if name == "iallreduce":
+        out = np.ones(n * P)
+        return comm.iallreduce(out), out, P
+    if name == "ireduce_scatter":
+        out = np.zeros(n)
+        return comm.ireduce_scatter(np.ones(n * P), out), out, P
+    out = np.zeros(n * P)
+    return comm.iall_gather(np.ones(n), out), out, 1.0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("start", ["iallreduce", "ireduce_scatter", "iall_gather"])
+def test_progress_while_the_caller_computes(monkeypatch, start):
+    """By default a non-blocking collective completes while the caller computes, touching neither the Work nor
+    mpcomm (what DDP's overlap rests on): its result appears in the output buffer before any wait() or
+    is_completed() — each of which would run the operation itself in progress-on-wait mode."""
+    monkeypatch.delenv("MPCOMM_PROGRESS", raising=False)
     comm = Communicator(WORLD)
-    y = np.ones(10_000)
-    work = comm.iallreduce(y)
-    other = np.ones(5)
-    comm.allreduce(other)  # a blocking call on another communicator meanwhile
-    in_step(work.wait)
-    assert (y == P).all() and (other == P).all()
+    work, out, expected = start_collective(comm, start, 50_000)
+    deadline = time.monotonic() + 30.0
+    matrix, steps = np.eye(64), 0
+    while not (out == expected).all() and time.monotonic() < deadline:
+        matrix = np.tanh(matrix @ matrix + 1.0)  # the caller's computation: numpy only, no mpcomm call
+        steps += 1
+    arrived = bool((out == expected).all())
+    in_step(work.wait)  # every rank finishes the operation, whatever happened above
     comm.free()
+    everyone = WORLD.allgather((arrived, steps, bool((out == expected).all())))
+    assert all(right for _, _, right in everyone), f"wrong result after wait(): {everyone}"
+    assert all(a for a, _, _ in everyone), (
+        "the result did not arrive while the caller computed for 30 s without waiting; (rank, arrived, steps): "
+        f"{[(r, a, s) for r, (a, s, _) in enumerate(everyone)]}")
 
 
 def test_thread_level_below_multiple_warns_once_and_falls_back(monkeypatch):

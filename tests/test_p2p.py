@@ -219,8 +219,9 @@ MISMATCHES = {
 
 @pytest.mark.parametrize("case", list(MISMATCHES))
 def test_mismatch_raises_on_receiver_and_sender_completes(comm, case):
-    """The receiver gets ValueError saying what was sent, its buffer is not half-filled silently, the
-    sender's wait returns normally, and the communicator keeps working afterwards."""
+    """The receiver gets ValueError saying what was sent (never a silently truncated or half-filled buffer), the
+    sender's wait returns normally, and the communicator keeps working afterwards. (What the failed receive
+    leaves in its buffer: test_mismatched_receive_leaves_the_buffer_untouched.)"""
     send_template, recv_template = MISMATCHES[case]
 
     def run():
@@ -240,3 +241,20 @@ def test_mismatch_raises_on_receiver_and_sender_completes(comm, case):
         assert send_error is None, f"rank {r}: sender failed: {send_error}"
         assert follow_up == [None, None]
         assert (ok == partner_of(r, len(everyone))).all()
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_mismatched_receive_leaves_the_buffer_untouched(comm, case):
+    """A receive that raises because the sender's size or dtype differ leaves the buffer as it was: no half of a
+    message, no bytes of another dtype."""
+    send_template, recv_template = MISMATCHES[case]
+
+    def run():
+        recv = np.full_like(recv_template, 7)
+        receive_error, _ = exchange(comm, send_template + 1, recv, tag=22)
+        return receive_error is not None, int(np.count_nonzero(recv != 7)), recv.size
+
+    everyone = run_gathered(run)
+    for r, (raised, changed, size) in enumerate(everyone):
+        assert raised, f"rank {r}: the mismatched receive did not raise"
+        assert changed == 0, f"rank {r}: the failed receive overwrote {changed} of the {size} elements of its buffer"

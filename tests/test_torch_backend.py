@@ -23,6 +23,7 @@ import ml_dtypes  # noqa: E402
 import mpcomm.integrations.torch as mpt  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+pytestmark = pytest.mark.torch
 
 
 # ================================================================================== single process
@@ -116,12 +117,15 @@ def test_init_without_master_addr(pg, monkeypatch):
     assert dist.get_backend() == "mpcomm"
 
 
+ALL_REDUCE_CASES = [(dtype, op) for op in ("SUM", "MAX", "AVG")
+                    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64)
+                    if op != "AVG" or dtype.is_floating_point]  # avg needs a floating dtype
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64])
-@pytest.mark.parametrize("op", ["SUM", "MAX", "AVG"])
+@pytest.mark.parametrize("dtype, op", ALL_REDUCE_CASES,
+                         ids=[f"{op}-{d}".replace("torch.", "") for d, op in ALL_REDUCE_CASES])
 def test_all_reduce(pg, dtype, op):
-    if op == "AVG" and not dtype.is_floating_point:
-        pytest.skip("avg needs a floating dtype")
     t = torch.arange(10, dtype=torch.float64).add(RANK).to(dtype)
     in_step(lambda: dist.all_reduce(t, op=getattr(dist.ReduceOp, op)))
     ranks = torch.arange(SIZE, dtype=torch.float64)

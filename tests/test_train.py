@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import WORLD
 
 from mpcomm.errors import ConfigError
 from mpcomm.train import build_parser, resolve_layout
 
 COMMON = ["--steps", "3", "--global-batch", "12", "--layers", "3", "--d-model", "8", "--d-hidden", "16"]
+# model parallel: 24 layers split into 1..4 stages (x2 interleaved), d_hidden 24 into 1..4 tensor-parallel shards
+MODEL_PARALLEL = ["--steps", "3", "--global-batch", "24", "--layers", "24", "--d-model", "8", "--d-hidden", "24"]
 
 
 def layout(argv, world):
@@ -61,6 +66,36 @@ def test_recompute_wrapper_keeps_names_and_gradients():
         m.backward(nn.mse_loss(pred, y)[1], ctx)
     for p, q in zip(plain.parameters(), wrapped.parameters()):
         np.testing.assert_array_equal(p.grad, q.grad)
+
+
+def _cli() -> list[str]:
+    """The installed ``mpcomm-train`` console script, or ``python -m mpcomm.train`` (the same ``main``) when mpcomm
+    runs from a source tree that was not installed."""
+    script = shutil.which("mpcomm-train", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "mpcomm.train"]
+
+
+@pytest.mark.skipif(any(k.startswith(("PMI_", "OMPI_", "HYDRA_")) for k in os.environ),
+                    reason="launches mpiexec itself; run it in the serial pytest pass")
+def test_cli_3d_under_mpiexec_equals_single(tmp_path):
+    """``mpiexec -n 4 mpcomm-train --engine 3d --tp 2 --pp 2 --json`` (4 processes, the real command line) writes
+    the losses and checksum of ``mpcomm-train --engine single --json``."""
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    runs = {"single": _cli() + ["--engine", "single"],
+            "3d": [mpiexec, "-n", "4", *_cli(), "--engine", "3d", "--dp", "1", "--tp", "2", "--pp", "2"]}
+    out = {}
+    for name, argv in runs.items():
+        path = tmp_path / f"{name}.json"
+        proc = subprocess.run([*argv, "--json", str(path), *MODEL_PARALLEL], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        out[name] = json.loads(path.read_text())
+    ref, got = out["single"], out["3d"]
+    assert (got["engine"], got["world"], got["dp"], got["tp"], got["pp"]) == ("3d", 4, 1, 2, 2)
+    assert len(got["losses"]) == 3
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-10)
+    np.testing.assert_allclose(got["param_checksum"], ref["param_checksum"], rtol=1e-10)
 
 
 def test_module_entry_point_runs_single(tmp_path):
@@ -141,3 +176,46 @@ def test_bad_layout_raises_config_error_on_every_rank(world):
     with pytest.raises(ConfigError, match=r"dp\*tp\*pp == world"):
         run(["--engine", "3d", "--dp", "1", "--tp", "1", "--pp", str(world.Get_size() + 1), *COMMON])
     world.Barrier()
+
+
+def model_parallel_runs(p: int) -> list[tuple[str, str, list[str]]]:
+    """(id, engine, its arguments) for every model-parallel way ``mpcomm-train`` can use ``p`` ranks: the pipeline
+    with each schedule, tensor parallel, and --engine 3d with every dp x tp x pp = p other than those two."""
+    runs = [(f"pipeline-{s}", "pipeline", ["--schedule", s, "--micro-batches", str(2 * p)])
+            for s in ("gpipe", "1f1b", "interleaved-1f1b")]
+    runs.append(("tp", "tp", []))
+    layouts = sorted({(dp, tp, p // (dp * tp)) for dp in range(1, p + 1) for tp in range(1, p + 1)
+                      if p % (dp * tp) == 0})
+    for dp, tp, pp in layouts:
+        if p == 1 or (dp, tp, pp) not in ((1, p, 1), (1, 1, p)):
+            runs.append((f"3d-dp{dp}-tp{tp}-pp{pp}", "3d",
+                         ["--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--micro-batches", "2"]))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def single_model_parallel(world, tmp_path_factory):
+    from mpcomm.train import main
+    path = world.bcast(str(tmp_path_factory.mktemp("single") / "mp.json") if world.Get_rank() == 0 else None)
+    assert main(["--engine", "single", "--json", path, *MODEL_PARALLEL]) == 0
+    return load(world, path)
+
+
+RUNS = model_parallel_runs(WORLD.Get_size())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("engine, extra", [run[1:] for run in RUNS], ids=[run[0] for run in RUNS])
+def test_model_parallel_cli_equals_single(world, tmp_path, single_model_parallel, engine, extra):
+    """``mpcomm-train --engine pipeline|tp|3d ... --json`` (its command-line entry point, in every rank's process)
+    writes the losses and parameter checksum of ``--engine single`` on the same workload, and its layout."""
+    from mpcomm.train import main
+    path = shared_path(world, tmp_path, f"{engine}.json")
+    assert main(["--engine", engine, "--json", path, *MODEL_PARALLEL, *extra]) == 0
+    got, ref = load(world, path), single_model_parallel
+    p = world.Get_size()
+    layout = {"pipeline": (1, 1, p), "tp": (1, p, 1)}.get(engine) or tuple(int(v) for v in extra[1:6:2])
+    assert (got["engine"], got["world"], (got["dp"], got["tp"], got["pp"])) == (engine, p, layout)
+    assert len(got["losses"]) == 3 and {"compute", "communication", "total"} <= set(got["timing"])
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-10)
+    np.testing.assert_allclose(got["param_checksum"], ref["param_checksum"], rtol=1e-10)
