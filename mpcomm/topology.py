@@ -97,14 +97,15 @@ def _bandwidth(t: Transport, partner: int, latency: float) -> tuple[float, int]:
     while True:
         send, recv = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)  # not kept: up to 16 MiB each
         t.sendrecv(send, partner, recv, partner, _TAG)  # fills the pipe, empties a burst allowance
-        times = []
-        for _ in range(TIMED):
+        times, ready, go = np.empty(TIMED), np.zeros(1), np.zeros(1)
+        for i in range(TIMED):
+            t.sendrecv(ready, partner, go, partner, _TAG)  # start together: a head start would hide transfer time
             begin = time.perf_counter()
             t.sendrecv(send, partner, recv, partner, _TAG)
-            times.append(time.perf_counter() - begin)
-        elapsed, slower = np.array([min(times)]), np.empty(1)
-        t.sendrecv(elapsed, partner, slower, partner, _TAG)  # both sides take the same decision below
-        elapsed = max(float(elapsed[0]), float(slower[0]))
+            times[i] = time.perf_counter() - begin
+        theirs = np.empty(TIMED)
+        t.sendrecv(times, partner, theirs, partner, _TAG)  # both sides take the same decision below
+        elapsed = float(np.maximum(times, theirs).min())  # an exchange lasts until its slower side is done
         if elapsed >= TARGET_SECONDS or nbytes >= MAX_PROBE_BYTES:
             return max(elapsed - latency, elapsed / 2) / nbytes, nbytes
         nbytes *= 4
