@@ -5,6 +5,7 @@ from .buffers import AVG, MAX, MIN, PROD, SUM
 from .comm import Communicator
 from .cuda import cuda_aware
 from .mesh import ParallelConfig, ParallelMesh
+from .p2p import ANY_SOURCE, ANY_TAG, Status
 from .errors import CollectiveMismatchError, CommTimeoutError, ConfigError, MpcommError
 from .work import Work
 
@@ -23,4 +24,7 @@ __all__ = [
     "CollectiveMismatchError",
     "ConfigError",
     "cuda_aware",
+    "ANY_SOURCE",
+    "ANY_TAG",
+    "Status",
 ]

@@ -1,8 +1,12 @@
 """Communicator: validates arguments, dispatches to an algorithm, records what it measured.
 
-It holds no algorithm bodies (those live in ``mpcomm.algorithms``). Three private duplicates of the user's
-communicator keep traffic apart: blocking collectives, point-to-point, and the non-blocking collectives
-that run on the progress thread, so messages of one kind can never match another.
+It holds no algorithm bodies (those live in ``mpcomm.algorithms``). Private duplicates of the user's
+communicator keep traffic apart: blocking collectives, point-to-point envelopes and payloads, and the
+non-blocking collectives that run on the progress thread, so messages of one kind can never match another.
+
+What a call needs that depends only on (dtype, shape, op, algorithm) — the algorithm chosen, the reduction,
+the labels of its error messages, its validation signature — is decided once into a :class:`~mpcomm.plan.Plan`
+and cached, so a training loop's repeated calls go straight from the argument checks to MPI.
 """
 from __future__ import annotations
 
@@ -12,40 +16,22 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from . import p2p, staging
-from .algorithms import REGISTRY
 from .algorithms.auto import Selector
-from .buffers import (
-    AVG,
-    SUM,
-    as_input,
-    as_output,
-    check_dtype_op,
-    dtype_name,
-    flat,
-    reduce_op,
-    same_device,
-    wire_dtype,
-)
-from .errors import CollectiveMismatchError, MpcommError
-from .transport import Transport, ranks_per_core, split_node
+from .buffers import AVG, SUM, as_input, as_output, check_dtype_op, flat, reduce_op, same_device, wire_dtype
+from .errors import CollectiveMismatchError, ConfigError, MpcommError
+from .p2p import ANY_SOURCE, Status
+from .plan import Plan
+from .settings import Settings, agree
+from .transport import Transport, node_topology
 from .work import FutureWork, Work
 
-_SIGNATURE_BYTES = 256
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+_BARRIER = Plan.barrier()
 
 
 class Communicator:
@@ -60,32 +46,35 @@ class Communicator:
     ):
         if isinstance(comm, Communicator):
             comm = comm.mpi
-        self.mpi: MPI.Comm = MPI.COMM_WORLD if comm is None else comm
-        self.timeout = float(timeout) if timeout is not None else _env_float("MPCOMM_TIMEOUT", 30.0)
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
-        self.validate = _env_flag("MPCOMM_VALIDATE") if validate is None else bool(validate)
-        env_rpn = os.environ.get("MPCOMM_RANKS_PER_NODE")
-        self.ranks_per_node = ranks_per_node if ranks_per_node is not None else (int(env_rpn) if env_rpn else None)
-        if self.ranks_per_node is not None and self.ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
-        self.rank = self.mpi.Get_rank()
-        self.size = self.mpi.Get_size()
-        node = split_node(self.mpi, self.ranks_per_node)
-        self.node_rank, self.node_size = node.Get_rank(), node.Get_size()
-        self.num_nodes = self.mpi.allreduce(1 if self.node_rank == 0 else 0)
-        node.Free()
-        self.ranks_per_core = ranks_per_core(self.mpi)  # > 1: ranks share cores (the auto model accounts for it)
-        self._sync = Transport(self.mpi.Dup(), self.timeout, self.ranks_per_node)
-        self._p2p = Transport(self.mpi.Dup(), self.timeout)
+        mpi = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(mpi, MPI.Intracomm) or mpi == MPI.COMM_NULL:
+            raise TypeError(f"Communicator: expected an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {mpi!r}")
+        self.mpi: MPI.Comm = mpi
+        self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
+        # Settings first, agreed with a deadline: one rank's bad value is an error on every rank, not a hang.
+        try:
+            settings, problem = Settings.resolve(timeout, validate, ranks_per_node), None
+        except ConfigError as exc:
+            settings, problem = None, str(exc)
+        agree(Transport(mpi, settings.timeout if settings else Settings.timeout), settings, problem)
+        self.timeout, self.validate = settings.timeout, settings.validate
+        self.ranks_per_node, self._progress = settings.ranks_per_node, settings.progress
+        topology = node_topology(Transport(mpi, self.timeout), self.ranks_per_node)
+        self.node_rank, self.node_size = topology.node_rank, topology.node_size
+        self.num_nodes, self.node_sizes = len(topology.node_sizes), topology.node_sizes
+        self.ranks_per_core = topology.ranks_per_core  # > 1: ranks share cores (the auto model accounts for it)
+        self._sync = Transport(mpi.Dup(), self.timeout, self.ranks_per_node)
+        self._p2p = p2p.Channels(envelopes=Transport(mpi.Dup(), self.timeout, on_timeout=p2p.ON_TIMEOUT),
+                                 payloads=Transport(mpi.Dup(), self.timeout, on_timeout=p2p.ON_TIMEOUT))
         # Made here, not on first use: Dup is collective, and starting a non-blocking collective must not block.
-        self._async = Transport(self.mpi.Dup(), self.timeout, self.ranks_per_node)
+        self._async = Transport(mpi.Dup(), self.timeout, self.ranks_per_node)
+        self._sync.progress_hook = self._async.progress_hook = self._p2p.progress  # (see mpcomm.p2p.Channels)
+        self._async.patient = True  # its waits share the process with the caller's computation
         self._executor: ThreadPoolExecutor | None = None
-        self._stats: dict[tuple[str, str], dict[str, float]] = {}
-        self._stats_lock = threading.Lock()
-        self.selector = Selector.default(self)
-        self._broken: str | None = None  # why collectives are refused: an earlier one stopped midway
         self._inline: _InlineProgress | None = None
+        self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
+        self._plans: dict = {}
+        self.selector = Selector.default(self)
         tuning_file = os.environ.get("MPCOMM_TUNING_FILE")
         if tuning_file:
             self.load_tuning(tuning_file, missing_ok=True)
@@ -96,26 +85,28 @@ class Communicator:
 
     def split(self, color: int, key: int | None = None) -> "Communicator":
         """A Communicator over ``MPI.Comm.Split(color, key)``, with this one's settings."""
+        self._refuse_if_freed("split")
         sub = self.mpi.Split(color, self.rank if key is None else key)
         return Communicator(sub, timeout=self.timeout, validate=self.validate, ranks_per_node=self.ranks_per_node)
 
     def barrier(self) -> None:
-        """Block until every rank has arrived (bounded by the timeout)."""
-        self._drain_deferred()
-        with self._sync.running("barrier"):
-            self._sync.wait([self._sync.mpi.Ibarrier()], peers=self._others())
+        """Block until every rank has arrived (bounded by the timeout; validated like every collective)."""
+        self._run(self._sync, _BARRIER)
 
     def stats(self) -> dict[str, dict[str, dict[str, float]]]:
         """Measured totals: ``{operation: {algorithm: {"calls", "bytes", "seconds"}}}``."""
-        with self._stats_lock:
-            out: dict[str, dict[str, dict[str, float]]] = {}
-            for (operation, algorithm), record in self._stats.items():
-                out.setdefault(operation, {})[algorithm] = dict(record)
-            return out
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for t in (self._sync, self._async):
+            for (operation, algorithm), (calls, nbytes, seconds) in list(t.records.items()):
+                record = out.setdefault(operation, {}).setdefault(algorithm, {"calls": 0, "bytes": 0, "seconds": 0.0})
+                record["calls"] += calls
+                record["bytes"] += nbytes
+                record["seconds"] += seconds
+        return out
 
     def reset_stats(self) -> None:
-        with self._stats_lock:
-            self._stats.clear()
+        for t in (self._sync, self._async):
+            t.records.clear()
 
     # ------------------------------------------------------------------ calibration of algorithm="auto"
     def tune(self, sizes=None, repeats: int = 5, operations=("allreduce",), dtype="float32",
@@ -128,15 +119,14 @@ class Communicator:
         """
         from . import tuning
 
-        with self._stats_lock:
-            saved = {key: dict(record) for key, record in self._stats.items()}
+        saved = {key: list(record) for key, record in self._sync.records.items()}
         try:
             table = tuning.tune(self, tuning.DEFAULT_SIZES if sizes is None else sizes, repeats, operations,
                                 dtype, algorithms, verbose)
         finally:
-            with self._stats_lock:
-                self._stats = saved
-        self.selector.load(table, source="the table just measured")
+            self._sync.records.clear()
+            self._sync.records.update(saved)
+        self._use_table(table, "the table just measured")
         return table
 
     def save_tuning(self, path: str) -> None:
@@ -177,16 +167,24 @@ class Communicator:
             return False
         if error:
             raise ValueError(error)
-        return self.selector.load(table, source=f"tuning file {path!r}")
+        return self._use_table(table, f"tuning file {path!r}")
+
+    def _use_table(self, table: dict, source: str) -> bool:
+        loaded = self.selector.load(table, source=source)
+        self._plans.clear()  # plans remember auto's choices
+        return loaded
 
     def free(self) -> None:
-        """Release the private MPI communicators and the progress thread (the wrapped comm stays)."""
+        """Release the private MPI communicators and the progress thread (the wrapped comm stays).
+        Every later call raises ``MpcommError``."""
+        if self._unusable == _FREED:
+            return
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._drain_deferred()
+        self._unusable = _FREED
         for transport in (self._sync, self._p2p, self._async):
-            if transport is not None:
-                transport.free()
+            transport.free()
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto") -> Any:
@@ -196,133 +194,323 @@ class Communicator:
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: str = SUM, algorithm: str = "auto") -> Any:
         """``recvbuf`` <- chunk ``rank`` of the reduction of ``sendbuf`` (``sendbuf.size == size * recvbuf.size``)."""
-        self._reduce_scatter(self._sync, sendbuf, recvbuf, op, algorithm)
-        return recvbuf
+        return self._reduce_scatter(self._sync, sendbuf, recvbuf, op, algorithm)
 
     def all_gather(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Any:
         """``recvbuf`` <- every rank's ``sendbuf`` in rank order (``recvbuf.size == size * sendbuf.size``)."""
-        self._all_gather(self._sync, sendbuf, recvbuf, algorithm)
-        return recvbuf
+        return self._all_gather(self._sync, sendbuf, recvbuf, algorithm)
 
     def broadcast(self, buf: Any, root: int = 0, algorithm: str = "auto") -> Any:
         """Copy ``buf`` from ``root`` to every rank, in place; returns ``buf``."""
-        array = as_output(buf, "broadcast")
-        check_dtype_op(array.dtype, None, "broadcast")
-        self._check_rank(root, "root", "broadcast")
-        algorithm = self._resolve("broadcast", algorithm, array.nbytes, array.dtype)
-        signature = self._signature("broadcast", array, None, algorithm, root=root)
-        with self._collective(self._sync, signature, array.nbytes) as t, _Flat(array, array.dtype) as work:
-            if work.size:
-                staging.run(t, "broadcast", algorithm, work, root)
-        return buf
+        return self._broadcast(self._sync, buf, root, algorithm)
+
+    def reduce(self, sendbuf: Any, recvbuf: Any = None, op: str = SUM, root: int = 0, algorithm: str = "auto") -> Any:
+        """``recvbuf`` on ``root`` <- the reduction of every rank's ``sendbuf`` (``recvbuf`` may be None elsewhere;
+        ``recvbuf`` may be ``sendbuf`` itself for an in-place reduce); returns ``recvbuf``."""
+        return self._reduce(self._sync, sendbuf, recvbuf, op, root, algorithm)
+
+    def gather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, algorithm: str = "auto") -> Any:
+        """``recvbuf`` on ``root`` <- every rank's ``sendbuf`` in rank order (``recvbuf.size == size * sendbuf.size``
+        on the root; may be None elsewhere); returns ``recvbuf``."""
+        return self._gather(self._sync, sendbuf, recvbuf, root, algorithm)
+
+    def scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, algorithm: str = "auto") -> Any:
+        """``recvbuf`` <- block ``rank`` of ``sendbuf`` on ``root`` (``sendbuf.size == size * recvbuf.size`` on the
+        root; may be None elsewhere); returns ``recvbuf``."""
+        return self._scatter(self._sync, sendbuf, recvbuf, root, algorithm)
+
+    def all_to_all(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Any:
+        """Block j of ``sendbuf`` goes to rank j; block i of ``recvbuf`` comes from rank i (equal blocks:
+        ``sendbuf.size == recvbuf.size``, a multiple of the communicator size); returns ``recvbuf``."""
+        return self._all_to_all(self._sync, sendbuf, recvbuf, algorithm)
+
+    def all_to_all_v(self, sendbuf: Any, send_counts: Sequence[int], recvbuf: Any, recv_counts: Sequence[int],
+                     algorithm: str = "auto") -> Any:
+        """Rank j gets ``send_counts[j]`` elements of ``sendbuf`` (consecutive blocks in rank order); block i of
+        ``recvbuf`` holds ``recv_counts[i]`` elements from rank i. Zeros are allowed; returns ``recvbuf``."""
+        return self._all_to_all_v(self._sync, sendbuf, send_counts, recvbuf, recv_counts, algorithm)
 
     # ------------------------------------------------------------------ non-blocking collectives
+    # Each starts the blocking form's body on the progress thread; ``wait()`` returns what the blocking form
+    # returns, and raises what it raises (argument errors included).
     def iallreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto") -> Work:
         """Start an all-reduce on the progress thread; ``wait()`` returns ``buf``."""
         return self._submit("allreduce", lambda t: self._allreduce(t, buf, op, algorithm) or buf)
 
     def ireduce_scatter(self, sendbuf: Any, recvbuf: Any, op: str = SUM, algorithm: str = "auto") -> Work:
-        return self._submit("reduce_scatter", lambda t: self._reduce_scatter(t, sendbuf, recvbuf, op, algorithm) or recvbuf)
+        return self._submit("reduce_scatter", lambda t: self._reduce_scatter(t, sendbuf, recvbuf, op, algorithm))
 
     def iall_gather(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Work:
-        return self._submit("all_gather", lambda t: self._all_gather(t, sendbuf, recvbuf, algorithm) or recvbuf)
+        return self._submit("all_gather", lambda t: self._all_gather(t, sendbuf, recvbuf, algorithm))
+
+    def ibroadcast(self, buf: Any, root: int = 0, algorithm: str = "auto") -> Work:
+        return self._submit("broadcast", lambda t: self._broadcast(t, buf, root, algorithm))
+
+    def ireduce(self, sendbuf: Any, recvbuf: Any = None, op: str = SUM, root: int = 0, algorithm: str = "auto") -> Work:
+        return self._submit("reduce", lambda t: self._reduce(t, sendbuf, recvbuf, op, root, algorithm))
+
+    def igather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, algorithm: str = "auto") -> Work:
+        return self._submit("gather", lambda t: self._gather(t, sendbuf, recvbuf, root, algorithm))
+
+    def iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, algorithm: str = "auto") -> Work:
+        return self._submit("scatter", lambda t: self._scatter(t, sendbuf, recvbuf, root, algorithm))
+
+    def iall_to_all(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Work:
+        return self._submit("all_to_all", lambda t: self._all_to_all(t, sendbuf, recvbuf, algorithm))
+
+    def iall_to_all_v(self, sendbuf: Any, send_counts: Sequence[int], recvbuf: Any, recv_counts: Sequence[int],
+                      algorithm: str = "auto") -> Work:
+        return self._submit("all_to_all_v", lambda t: self._all_to_all_v(t, sendbuf, send_counts, recvbuf,
+                                                                         recv_counts, algorithm))
+
+    def ibarrier(self) -> Work:
+        return self._submit("barrier", lambda t: self._run(t, _BARRIER))
 
     # ------------------------------------------------------------------ point to point
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
-        p2p.isend(staging.for_buffers(self._p2p, "send", buf), buf, dst, tag).wait()
+        self.isend(buf, dst, tag).wait()
 
-    def recv(self, buf: Any, src: int, tag: int = 0) -> Any:
-        return p2p.irecv(staging.for_buffers(self._p2p, "recv", buf), buf, src, tag).wait()
+    def recv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Any:
+        """Receive into ``buf`` from ``src`` (``ANY_SOURCE``: whoever sends) with ``tag`` (or ``ANY_TAG``);
+        returns ``buf``. ``status``, if given, is filled with the matched source, tag and element count."""
+        return self.irecv(buf, src, tag, status).wait()
 
     def isend(self, buf: Any, dst: int, tag: int = 0) -> Work:
-        return p2p.isend(staging.for_buffers(self._p2p, "send", buf), buf, dst, tag)
+        channels = self._channels("send")
+        return p2p.isend(channels, self._payload_transport(channels, "send", buf), buf, dst, tag)
 
-    def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
-        return p2p.irecv(staging.for_buffers(self._p2p, "recv", buf), buf, src, tag)
+    def irecv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Work:
+        """Start a receive; the Work's ``source`` and ``tag`` say what it matched once it has completed."""
+        channels = self._channels("recv")
+        return p2p.irecv(channels, self._payload_transport(channels, "recv", buf), buf, src, tag, status)
 
     def sendrecv(self, sendbuf: Any, dst: int, recvbuf: Any, src: int, tag: int = 0) -> Any:
-        t = staging.for_buffers(self._p2p, "sendrecv", sendbuf, recvbuf)  # host or device transport
-        receiving = p2p.irecv(t, recvbuf, src, tag)
-        sending = p2p.isend(t, sendbuf, dst, tag)
+        receiving = self.irecv(recvbuf, src, tag)
+        sending = self.isend(sendbuf, dst, tag)
         sending.wait()
         return receiving.wait()
 
+    def _channels(self, operation: str) -> p2p.Channels:
+        if self._unusable == _FREED:
+            raise MpcommError(f"rank {self.rank}: {operation}: this Communicator was freed (free() was called)")
+        return self._p2p
+
+    @staticmethod
+    def _payload_transport(channels: p2p.Channels, operation: str, buf):
+        if type(buf) is np.ndarray:
+            return channels.payloads
+        return staging.for_buffers(channels.payloads, operation, buf)
+
     # ------------------------------------------------------------------ bodies shared by blocking and non-blocking forms
     def _allreduce(self, t: Transport, buf, op, algorithm) -> None:
+        if type(buf) is np.ndarray and type(op) is str and type(algorithm) is str:  # the common call: a cached plan
+            plan = self._plans.get(("allreduce", buf.dtype, buf.shape, op, algorithm, None))
+            if plan is not None and plan.direct:
+                flags = buf.flags
+                if flags.c_contiguous and flags.writeable:
+                    self._run(t, plan, buf.reshape(-1) if buf.ndim != 1 else buf, plan.rop)
+                    return
         array = as_output(buf, "allreduce")
-        rop = reduce_op(op, "allreduce")
-        check_dtype_op(array.dtype, rop.name, "allreduce")
-        if rop.name == AVG:
-            rop = rop.averaged(self.size)  # each algorithm divides where it finishes a sum, before sharing it
-        algorithm = self._resolve("allreduce", algorithm, array.nbytes, array.dtype)
-        signature = self._signature("allreduce", array, rop.name, algorithm)
-        with self._collective(t, signature, array.nbytes) as t, _Flat(array, wire_dtype(array.dtype)) as work:
-            if work.size:
-                staging.run(t, "allreduce", algorithm, work, rop)
+        plan = self._plan("allreduce", array, op, algorithm)
+        with _Flat(array, plan.wire) as work:
+            self._run(t, plan, work, plan.rop)
 
-    def _reduce_scatter(self, t: Transport, sendbuf, recvbuf, op, algorithm) -> None:
+    def _reduce_scatter(self, t: Transport, sendbuf, recvbuf, op, algorithm):
         send, recv = as_input(sendbuf, "reduce_scatter"), as_output(recvbuf, "reduce_scatter")
         self._check_pair("reduce_scatter", send, recv, send.size, recv.size * self.size, "sendbuf", "size * recvbuf")
-        rop = reduce_op(op, "reduce_scatter")
-        check_dtype_op(recv.dtype, rop.name, "reduce_scatter")
-        algorithm = self._resolve("reduce_scatter", algorithm, send.nbytes, send.dtype)
-        signature = self._signature("reduce_scatter", recv, rop.name, algorithm)
-        wire = wire_dtype(recv.dtype)
-        with self._collective(t, signature, send.nbytes) as t, _Flat(recv, wire) as out:
-            if out.size:
-                staging.run(t, "reduce_scatter", algorithm, _Flat.read(send, wire), out, rop)
-                if rop.name == AVG:
-                    out /= self.size
+        plan = self._plan("reduce_scatter", recv, op, algorithm)
+        with _Flat(recv, plan.wire) as out:
+            self._run(t, plan, self._input(send, plan.wire, out), out, plan.rop)
+        return recvbuf
 
-    def _all_gather(self, t: Transport, sendbuf, recvbuf, algorithm) -> None:
+    def _all_gather(self, t: Transport, sendbuf, recvbuf, algorithm):
         send, recv = as_input(sendbuf, "all_gather"), as_output(recvbuf, "all_gather")
         self._check_pair("all_gather", send, recv, recv.size, send.size * self.size, "recvbuf", "size * sendbuf")
-        check_dtype_op(recv.dtype, None, "all_gather")
-        algorithm = self._resolve("all_gather", algorithm, recv.nbytes, recv.dtype)
-        signature = self._signature("all_gather", send, None, algorithm)
-        with self._collective(t, signature, recv.nbytes) as t, _Flat(recv, recv.dtype) as out:
-            if out.size:
-                staging.run(t, "all_gather", algorithm, _Flat.read(send, send.dtype), out)
+        plan = self._plan("all_gather", send, None, algorithm)
+        with _Flat(recv, recv.dtype) as out:
+            self._run(t, plan, self._input(send, send.dtype, out), out)
+        return recvbuf
 
-    # ------------------------------------------------------------------ helpers
+    def _broadcast(self, t: Transport, buf, root, algorithm):
+        array = as_output(buf, "broadcast")
+        plan = self._plan("broadcast", array, None, algorithm, root=root)
+        with _Flat(array, array.dtype) as work:
+            self._run(t, plan, work, root)
+        return buf
+
+    def _reduce(self, t: Transport, sendbuf, recvbuf, op, root, algorithm):
+        send = as_input(sendbuf, "reduce")
+        plan = self._plan("reduce", send, op, algorithm, root=root)
+        recv = self._root_buffer("reduce", recvbuf, "recvbuf", root, send, send.size)
+        with _Flat(recv, plan.wire) if recv is not None else _NoBuffer() as out:
+            self._run(t, plan, self._input(send, plan.wire, out), out, plan.rop, root)
+        return recvbuf
+
+    def _gather(self, t: Transport, sendbuf, recvbuf, root, algorithm):
+        send = as_input(sendbuf, "gather")
+        plan = self._plan("gather", send, None, algorithm, root=root)
+        recv = self._root_buffer("gather", recvbuf, "recvbuf", root, send, send.size * self.size)
+        with _Flat(recv, send.dtype) if recv is not None else _NoBuffer() as out:
+            self._run(t, plan, self._input(send, send.dtype, out), out, root)
+        return recvbuf
+
+    def _scatter(self, t: Transport, sendbuf, recvbuf, root, algorithm):
+        recv = as_output(recvbuf, "scatter")
+        plan = self._plan("scatter", recv, None, algorithm, root=root)
+        send = self._root_buffer("scatter", sendbuf, "sendbuf", root, recv, recv.size * self.size, output=False)
+        with _Flat(recv, recv.dtype) as out:
+            self._run(t, plan, None if send is None else self._input(send, recv.dtype, out), out, root)
+        return recvbuf
+
+    def _all_to_all(self, t: Transport, sendbuf, recvbuf, algorithm):
+        send, recv = as_input(sendbuf, "all_to_all"), as_output(recvbuf, "all_to_all")
+        self._check_pair("all_to_all", send, recv, recv.size, send.size, "recvbuf", "sendbuf")
+        if send.size % self.size:
+            raise ValueError(f"all_to_all: sendbuf has {send.size} elements, not a multiple of the communicator "
+                             f"size {self.size} (use all_to_all_v for uneven blocks)")
+        counts = (send.size // self.size,) * self.size
+        displs = _displs(counts)
+        plan = self._plan("all_to_all", send, None, algorithm)
+        with _Flat(recv, recv.dtype) as out:
+            self._run(t, plan, self._input(send, send.dtype, out), counts, displs, out, counts, displs)
+        return recvbuf
+
+    def _all_to_all_v(self, t: Transport, sendbuf, send_counts, recvbuf, recv_counts, algorithm):
+        send, recv = as_input(sendbuf, "all_to_all_v"), as_output(recvbuf, "all_to_all_v")
+        same_device("all_to_all_v", send, recv)
+        if send.dtype != recv.dtype:
+            raise TypeError(f"all_to_all_v: sendbuf is {send.dtype} but recvbuf is {recv.dtype}; they must match")
+        send_counts = _check_counts("all_to_all_v", "send_counts", send_counts, self.size, send.size, "sendbuf")
+        recv_counts = _check_counts("all_to_all_v", "recv_counts", recv_counts, self.size, recv.size, "recvbuf")
+        if send_counts[self.rank] != recv_counts[self.rank]:
+            raise ValueError(f"all_to_all_v: rank {self.rank} sends itself {send_counts[self.rank]} elements but "
+                             f"expects {recv_counts[self.rank]}")
+        plan = self._plan("all_to_all_v", send, None, algorithm)
+        extra = np.array(send_counts + recv_counts, dtype=np.int64) if self.validate else None
+        with _Flat(recv, recv.dtype) as out:
+            self._run(t, plan, self._input(send, send.dtype, out), send_counts, _displs(send_counts), out,
+                      recv_counts, _displs(recv_counts), extra=extra)
+        return recvbuf
+
+    # ------------------------------------------------------------------ running a call
+    def _run(self, t: Transport, plan: Plan, *args, extra: np.ndarray | None = None) -> None:
+        """Run ``plan`` on ``t``: refuse on an unusable communicator or a second thread, agree (validate=True),
+        time the algorithm, record it; a failure midway makes the communicator unusable."""
+        if self._unusable is not None:
+            raise MpcommError(f"rank {self.rank}: {plan.label}: this communicator is unusable: {self._unusable}"
+                              + ("" if self._unusable == _FREED else _STALE))
+        if not t.in_use.acquire(False):
+            self._concurrent_use(plan)
+        try:
+            if self._inline is not None and t is self._sync:
+                self._inline.run_until(None)
+            t.operation = plan.label
+            if self.validate:
+                self._agree(t, plan, extra)
+            start = time.perf_counter()
+            plan.fn(t, *args)
+            elapsed = time.perf_counter() - start
+            if self._unusable is not None:  # made unusable while this ran (another thread joined in)
+                raise MpcommError(f"rank {self.rank}: {plan.label}: {self._unusable}; this result may be wrong")
+        except CollectiveMismatchError:  # the ranks compared their calls and stopped cleanly: nothing in flight
+            raise
+        except MpcommError as exc:
+            self._stopped_midway(plan, exc)
+            raise
+        except MPI.Exception as exc:  # the MPI library itself refused (e.g. aliased buffers): mpcomm's error
+            error = t._mpi_error(exc, [], t.others)
+            self._stopped_midway(plan, error)
+            raise error from None
+        finally:
+            t.in_use.release()
+        record = t.records.get(plan.key)
+        if record is None:
+            record = t.records[plan.key] = [0, 0, 0.0]
+        record[0] += 1
+        record[1] += plan.nbytes
+        record[2] += elapsed
+
+    def _stopped_midway(self, plan: Plan, exc: Exception) -> None:
+        if self._unusable is None:
+            self._unusable = f"{plan.label} stopped midway ({type(exc).__name__}: {exc})"
+
+    def _concurrent_use(self, plan: Plan) -> None:
+        """A second thread called a collective while one runs: the order of calls can differ between ranks,
+        so messages could pair with the wrong call. Refuse, and poison the communicator so that the call
+        already running reports it too."""
+        message = (f"{plan.label} was called from thread {threading.current_thread().name!r} while another "
+                   "collective of this communicator was running in another thread; collectives of one "
+                   "Communicator must be called from one thread at a time, in the same order on every rank")
+        if self._unusable is None:
+            self._unusable = message
+        raise MpcommError(f"rank {self.rank}: {message}")
+
+    def _agree(self, t: Transport, plan: Plan, extra: np.ndarray | None) -> None:
+        """validate=True: the ranks compare their calls' digests (the whole signature, any length); on a
+        difference every rank raises, listing what each passed. ``extra`` (all_to_all_v): the counts, checked
+        for consistency (what rank i sends rank j is what j expects from i)."""
+        everyone = np.empty((self.size, plan.digest.size), dtype=np.uint8)
+        t.wait([t.mpi.Iallgather(plan.digest, everyone)], t.others)
+        if not (everyone == plan.digest).all():
+            calls = t.allgather_object(plan.signature)
+            described = "; ".join(f"rank {r}: {json.dumps(call, sort_keys=True)}" for r, call in enumerate(calls))
+            raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: ranks disagree — "
+                                          f"{described}")
+        if extra is not None:
+            counts = np.empty((self.size, extra.size), dtype=np.int64)
+            t.wait([t.mpi.Iallgather(extra, counts)], t.others)
+            sends, recvs = counts[:, : self.size], counts[:, self.size :]
+            if not (sends == recvs.T).all():
+                i, j = (int(x[0]) for x in np.nonzero(sends != recvs.T))
+                raise CollectiveMismatchError(
+                    f"rank {self.rank}: {plan.signature['operation']}: rank {i} sends {sends[i, j]} elements to "
+                    f"rank {j}, which expects {recvs[j, i]}")
+
+    # ------------------------------------------------------------------ plans
+    def _plan(self, operation: str, array, op, algorithm: str, root: int | None = None) -> Plan:
+        """The cached plan for a call on ``array`` (its dtype and shape), or a new one after the local checks
+        that do not depend on other ranks: dtype/op, algorithm name, root."""
+        cacheable = type(array) is np.ndarray and type(op) in (str, type(None)) and type(algorithm) is str
+        key = (operation, array.dtype, array.shape, op, algorithm, root) if cacheable else None
+        plan = self._plans.get(key) if cacheable else None
+        if plan is not None:
+            return plan
+        rop = None
+        if operation in _REDUCING:
+            rop = reduce_op(op, operation)
+            check_dtype_op(array.dtype, rop.name, operation)
+            if rop.name == AVG:
+                rop = rop.averaged(self.size)  # each algorithm divides where it finishes a sum, before sharing it
+        else:
+            check_dtype_op(array.dtype, None, operation)
+        if root is not None:
+            self._check_rank(root, "root", operation)
+        nbytes = array.nbytes * (self.size if operation in _PER_RANK_BLOCK else 1)  # stats: the whole buffer
+        chosen = self._resolve(operation, algorithm, nbytes, array.dtype)
+        plan = Plan(operation, chosen, array, rop, root, nbytes, host=type(array) is np.ndarray,
+                    wire=wire_dtype(array.dtype) if rop is not None else array.dtype)
+        if cacheable:
+            if len(self._plans) > 4096:  # a sweep over many shapes: keep the cache small
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
     def _resolve(self, operation: str, algorithm: str, nbytes: int, dtype) -> str:
+        from .algorithms import REGISTRY
+
         if algorithm == "auto":
             return self.selector.choose(operation, nbytes, np.dtype(dtype))
-        if algorithm not in REGISTRY[operation]:
+        if not isinstance(algorithm, str) or algorithm not in REGISTRY[operation]:
             raise ValueError(
                 f"{operation}: unknown algorithm {algorithm!r}; choose one of {sorted(REGISTRY[operation]) + ['auto']}"
             )
         return algorithm
 
-    def _signature(self, operation: str, array, op: str | None, algorithm: str, root: int | None = None) -> dict:
-        return {
-            "operation": operation,
-            "dtype": dtype_name(array.dtype),
-            "shape": list(array.shape),
-            "op": op,
-            "algorithm": algorithm,
-            "root": root,
-        }
-
-    def _collective(self, t: Transport, signature: dict, nbytes: int) -> "_Collective":
-        """Agree on the arguments (validate=True), run the body, add its measured time to the stats."""
-        return _Collective(self, t, signature, nbytes)
-
+    # ------------------------------------------------------------------ helpers
     def _share_from_root(self, obj, operation: str):
         """Rank 0's ``obj`` on every rank (pickled; waits bounded by the timeout, like every collective)."""
         with self._sync.running(operation):
             return self._sync.bcast_object(obj, root=0)
-
-    def _agree(self, t: Transport, signature: dict) -> None:
-        mine = np.zeros(_SIGNATURE_BYTES, dtype=np.uint8)
-        encoded = json.dumps(signature, sort_keys=True).encode()[:_SIGNATURE_BYTES]
-        mine[: len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
-        everyone = np.empty((self.size, _SIGNATURE_BYTES), dtype=np.uint8)
-        t.wait([t.mpi.Iallgather(mine, everyone)], peers=self._others())
-        if (everyone == mine).all():
-            return
-        described = "; ".join(f"rank {r}: {_decode(row)}" for r, row in enumerate(everyone))
-        raise CollectiveMismatchError(f"rank {self.rank}: {signature['operation']}: ranks disagree — {described}")
 
     def _submit(self, operation: str, body) -> Work:
         """Queue a non-blocking collective: on the progress thread (one worker, so operations run in issue
@@ -330,7 +518,7 @@ class Communicator:
         The body runs on the caller's current CUDA stream (device buffers: see ``mpcomm.staging``)."""
         body = staging.on_stream(staging.caller_stream(), body)
         if self._executor is None and self._inline is None:
-            if _progress_thread_allowed():
+            if self._progress == "thread" and _progress_thread_allowed():
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mpcomm-progress-{self.rank}")
             else:
                 self._inline = _InlineProgress()
@@ -344,12 +532,17 @@ class Communicator:
         if self._inline is not None:
             self._inline.run_until(None)
 
+    def _refuse_if_freed(self, operation: str) -> None:
+        if self._unusable == _FREED:
+            raise MpcommError(f"rank {self.rank}: {operation}: this Communicator was freed (free() was called)")
+
     def _others(self) -> list[int]:
         return [r for r in range(self.size) if r != self.rank]
 
     def _check_rank(self, rank: int, role: str, operation: str) -> None:
-        if not isinstance(rank, (int, np.integer)) or not 0 <= int(rank) < self.size:
-            raise ValueError(f"{operation}: {role} {rank!r} is out of range for a communicator of size {self.size}")
+        if type(rank) is not int and not isinstance(rank, np.integer) or not 0 <= rank < self.size:
+            raise ValueError(f"{operation}: {role} {rank!r} is not a rank of a communicator of size {self.size} "
+                             f"(an int in 0..{self.size - 1})")
 
     def _check_pair(self, operation, send, recv, got, want, got_name, want_name) -> None:
         same_device(operation, send, recv)
@@ -361,75 +554,64 @@ class Communicator:
                 f"(communicator size {self.size}, sendbuf {send.size}, recvbuf {recv.size})"
             )
 
+    def _root_buffer(self, operation, buf, name, root, other, want, output=True):
+        """The root's buffer of a rooted collective (checked), or None on the other ranks."""
+        if self.rank != root:
+            return None
+        if buf is None:
+            raise ValueError(f"{operation}: {name} is None on the root (rank {root}); it needs {want} elements")
+        array = as_output(buf, operation) if output else as_input(buf, operation)
+        same_device(operation, array, other)
+        if array.dtype != other.dtype:
+            raise TypeError(f"{operation}: {name} is {array.dtype} but the other buffer is {other.dtype}; "
+                            "they must match")
+        if array.size != want:
+            raise ValueError(f"{operation}: {name} on the root has {array.size} elements, needs {want} "
+                             f"(communicator size {self.size}, other buffer {other.size})")
+        return array
 
-class _Collective:
-    """Context of :meth:`Communicator._collective` (a class, not a generator: it runs on every call)."""
-
-    __slots__ = ("comm", "t", "signature", "nbytes", "running", "start")
-
-    def __init__(self, comm: Communicator, t: Transport, signature: dict, nbytes: int):
-        self.comm, self.t, self.signature, self.nbytes = comm, t, signature, nbytes
-
-    def __enter__(self) -> Transport:
-        comm, t = self.comm, self.t
-        if comm._broken is not None:
-            raise MpcommError(f"rank {comm.rank}: {_Label(self.signature, self.nbytes)}: this communicator is unusable: "
-                              f"{comm._broken}; its messages may still be in flight, so later collectives could "
-                              f"match them and return wrong data. Create a new Communicator.")
-        if t is comm._sync:
-            comm._drain_deferred()
-        self.running = t.running(_Label(self.signature, self.nbytes))
-        self.running.__enter__()
-        try:
-            if comm.validate:
-                comm._agree(t, self.signature)
-        except BaseException:
-            self.running.__exit__(None, None, None)
-            raise
-        self.start = time.perf_counter()
-        return t
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        elapsed = time.perf_counter() - self.start
-        self.running.__exit__(exc_type, exc, tb)
-        if exc_type is not None and issubclass(exc_type, MpcommError) and self.comm._broken is None:
-            self.comm._broken = f"{_Label(self.signature, self.nbytes)} stopped midway ({exc_type.__name__}: {exc})"
-        if exc_type is None:
-            key = (self.signature["operation"], self.signature["algorithm"])
-            with self.comm._stats_lock:
-                record = self.comm._stats.setdefault(key, {"calls": 0, "bytes": 0, "seconds": 0.0})
-                record["calls"] += 1
-                record["bytes"] += self.nbytes
-                record["seconds"] += elapsed
-        return False
+    def _input(self, array, dtype, output):
+        """``array`` as a contiguous 1-D input in ``dtype``, copied when it is not already or when it shares
+        memory with ``output`` (the algorithms, and MPI, need distinct input and output buffers)."""
+        data = _Flat.read(array, dtype)
+        if output is not None and data.size and np.may_share_memory(data, output):
+            data = data.copy()
+        return data
 
 
-class _Label:
-    """Names a collective call in error messages; formatted only when an error needs it (hot path)."""
-
-    __slots__ = ("signature", "nbytes")
-
-    def __init__(self, signature: dict, nbytes: int):
-        self.signature, self.nbytes = signature, nbytes
-
-    def __str__(self) -> str:
-        s = self.signature
-        return f"{s['operation']}[{s['algorithm']}] of shape {tuple(s['shape'])} {s['dtype']} ({self.nbytes} B)"
+_REDUCING = ("allreduce", "reduce_scatter", "reduce")
+_PER_RANK_BLOCK = ("reduce_scatter", "all_gather", "gather", "scatter")  # planned on the buffer of one rank's block
+_FREED = "it was freed (free() was called)"
+_STALE = ("; its messages may still be in flight, so later collectives could match them and return wrong data. "
+          "Create a new Communicator.")
 
 
-def _decode(row: np.ndarray) -> str:
-    return bytes(row).rstrip(b"\0").decode(errors="replace")
+def _check_counts(operation: str, name: str, counts, size: int, available: int, buffer: str) -> tuple[int, ...]:
+    """``counts`` as a tuple of ``size`` ints >= 0 that fit in ``available`` elements of ``buffer``."""
+    try:
+        values = tuple(int(c) for c in counts)
+        integral = all(float(c) == int(c) and not isinstance(c, bool) for c in counts)
+    except (TypeError, ValueError):
+        raise TypeError(f"{operation}: {name} must be a sequence of {size} ints, got {counts!r}") from None
+    if len(values) != size or not integral or min(values, default=0) < 0:
+        raise ValueError(f"{operation}: {name} must be {size} ints >= 0 (one per rank), got {counts!r}")
+    if sum(values) != available:
+        raise ValueError(f"{operation}: {name} add up to {sum(values)} elements but {buffer} has {available}")
+    return values
+
+
+def _displs(counts: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each block starts when the blocks are laid out one after another."""
+    return tuple(int(x) for x in np.cumsum((0,) + counts[:-1]))
 
 
 _warned_thread_level = False
 
 
 def _progress_thread_allowed() -> bool:
-    """A progress thread needs MPI_THREAD_MULTIPLE (the main thread keeps calling MPI); env
-    ``MPCOMM_PROGRESS=wait`` asks for progress-on-wait explicitly."""
+    """A progress thread needs MPI_THREAD_MULTIPLE (the main thread keeps calling MPI); otherwise warn (once)
+    and run non-blocking collectives inside ``wait()``."""
     global _warned_thread_level
-    if os.environ.get("MPCOMM_PROGRESS", "thread").strip().lower() == "wait":
-        return False
     level = MPI.Query_thread()
     if level >= MPI.THREAD_MULTIPLE:
         return True
@@ -488,6 +670,16 @@ class _DeferredWork(Work):
     def is_completed(self) -> bool:
         self._progress.run_until(self)
         return True
+
+
+class _NoBuffer:
+    """``with`` stand-in for ``_Flat`` where a rank has no buffer (the non-roots of a rooted collective)."""
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> bool:
+        return False
 
 
 class _Flat:

@@ -7,15 +7,27 @@ class MpcommError(Exception):
 
 
 class CommTimeoutError(MpcommError, TimeoutError):
-    """A blocking operation did not complete within the communicator's timeout."""
+    """A blocking operation did not complete within the communicator's timeout.
 
-    def __init__(self, operation: str, peers, elapsed: float, timeout: float, rank: int | None = None):
+    ``consequence`` says what the failure leaves behind: a collective that stopped midway makes its
+    communicator unusable; a cancelled point-to-point message or a ``Work.wait(timeout)`` that gave up waiting
+    on an operation still running does not.
+    """
+
+    UNUSABLE = "the communicator is no longer usable"
+
+    def __init__(self, operation: str, peers, elapsed: float, timeout: float, rank: int | None = None,
+                 consequence: str = UNUSABLE):
         self.operation, self.peers, self.elapsed, self.timeout, self.rank = str(operation), tuple(peers), elapsed, timeout, rank
+        self.consequence = consequence
         who = f"rank {rank}: " if rank is not None else ""
         super().__init__(
             f"{who}{operation} timed out after {elapsed:.2f} s (timeout {timeout:g} s) "
-            f"waiting for peer rank(s) {list(self.peers)}; the communicator is no longer usable"
+            f"waiting for peer rank(s) {list(self.peers)}; {consequence}"
         )
+
+    def __reduce__(self):
+        return (type(self), (self.operation, self.peers, self.elapsed, self.timeout, self.rank, self.consequence))
 
 
 class CollectiveMismatchError(MpcommError):

@@ -1,106 +1,348 @@
-"""Point-to-point messages with a small header, so a size or dtype mismatch raises instead of truncating.
+"""Point-to-point messages with an envelope, so that a size or dtype mismatch raises instead of truncating and
+a receive from any source learns who sent the message.
 
-Every message is two MPI messages on the same (communicator, tag): a 3-integer header (dtype code, byte
-count, element count) and the payload. MPI's non-overtaking rule keeps them paired; the receiver posts
-both at once, so a header costs no extra round trip.
+Every message begins with an envelope under the user's tag on the envelope channel: four integers (dtype
+code, byte count, element count, sequence number) followed, for up to ``INLINE_BYTES`` of payload, by the
+payload itself, so a small message is one MPI message. A larger payload follows on the payload channel (a
+communicator of its own) under the sequence number as tag, which the sender counts per destination. The
+receiver posts the payload receive once the envelope has named the source and the size: so a receive from
+``ANY_SOURCE`` takes the payload that belongs to its envelope, receives for the same source and tag can never
+take each other's payloads, and a mismatch is known before any payload lands in the user's buffer (the payload
+is then received into a scratch buffer, so the sender completes and nothing stale is left in flight).
 """
 from __future__ import annotations
 
+import os
+import struct
+import threading
+import time
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
+from mpi4py import MPI
 
-from .buffers import SUPPORTED_DTYPES, as_input, as_output, flat
-from .errors import MpcommError
-from .transport import Transport
-from .work import RequestWork
+from .buffers import SUPPORTED_DTYPES, as_input, as_output
+from .errors import CommTimeoutError, MpcommError
+from .transport import _SPINS_BEFORE_YIELD, Transport, _error_text
+from .work import Work
 
+INLINE_BYTES = 4096
+ON_TIMEOUT = "the message was cancelled (point-to-point on this communicator keeps working)"
+_HEADER = struct.Struct("<4q")  # dtype code, bytes, elements, sequence number (_INLINE: the payload follows)
+_INLINE = -1
+_ENVELOPE_BYTES = _HEADER.size + INLINE_BYTES
+_TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 _CODES = {np.dtype(d): zlib.crc32(np.dtype(d).name.encode()) for d in SUPPORTED_DTYPES}
 _DTYPE_NAMES = {code: np.dtype(d).name for d, code in _CODES.items()}
 
 
-def _header(array) -> np.ndarray:
-    dtype = array.dtype
-    code = _CODES.get(dtype)
-    if code is None:
-        code = zlib.crc32(dtype.name.encode())
-    return np.array([code, array.nbytes, array.size], dtype=np.int64)
+class _Wildcard:
+    """``ANY_SOURCE`` / ``ANY_TAG``: distinct objects, so that a negative number is an error, not a wildcard."""
+
+    __slots__ = ("name", "mpi")
+
+    def __init__(self, name: str, mpi_value: int):
+        self.name, self.mpi = name, mpi_value
+
+    def __repr__(self) -> str:
+        return f"mpcomm.{self.name}"
 
 
-def _describe(header: np.ndarray) -> str:
-    code, nbytes, count = (int(x) for x in header)
-    return f"{count} elements of {_DTYPE_NAMES.get(code, 'dtype#%d' % code)} ({nbytes} B)"
+ANY_SOURCE = _Wildcard("ANY_SOURCE", MPI.ANY_SOURCE)
+ANY_TAG = _Wildcard("ANY_TAG", MPI.ANY_TAG)
 
 
-class _Operation:
-    """``"send of 10 elements of float64 (80 B) to rank 1 (tag 0)"``, formatted only when an error needs it."""
+@dataclass
+class Status:
+    """What a receive matched: the sender's rank, the tag and the number of elements (``recv(status=...)``)."""
 
-    __slots__ = ("verb", "header", "where", "peer", "tag")
+    source: int = -1
+    tag: int = -1
+    count: int = 0
 
-    def __init__(self, verb: str, header: np.ndarray, where: str, peer: int, tag: int):
-        self.verb, self.header, self.where, self.peer, self.tag = verb, header, where, peer, tag
+
+class Channels:
+    """The two communicators of point-to-point traffic, the per-destination sequence numbers, and the receives
+    whose envelope has not been opened yet.
+
+    A large payload's receive is posted only once its envelope is opened, and its sender may be waiting for
+    exactly that (a rendezvous send completes when the receive is posted). So every wait of this rank —
+    point-to-point, and the collectives' polls through ``Transport.progress_hook`` — calls :meth:`progress`,
+    which opens every envelope that has arrived: no sender waits on a receive that was posted but not opened.
+    """
+
+    def __init__(self, envelopes: Transport, payloads: Transport):
+        self.envelopes, self.payloads = envelopes, payloads
+        self.rank, self.size = envelopes.rank, envelopes.size
+        self._sequence = [0] * envelopes.size
+        self._unopened: list[RecvWork] = []
+        self._lock = threading.Lock()  # guards _unopened; opening runs under it, so one thread opens a receive
+        envelopes.progress_hook = payloads.progress_hook = self.progress
+
+    def next_sequence(self, dst: int) -> int:
+        number = self._sequence[dst]
+        self._sequence[dst] = number + 1 if number < _TAG_UB else 0
+        return number
+
+    def register(self, work: "RecvWork") -> None:
+        with self._lock:
+            self._unopened.append(work)
+
+    def progress(self) -> None:
+        """Open the receives whose envelopes have arrived (another thread doing it already is enough)."""
+        if not self._unopened or not self._lock.acquire(False):
+            return
+        try:
+            self._unopened[:] = [work for work in self._unopened if not work._try_open()]
+        finally:
+            self._lock.release()
+
+    def forget(self, work: "RecvWork") -> None:
+        with self._lock:
+            if work in self._unopened:
+                self._unopened.remove(work)
+
+    def free(self) -> None:
+        self.envelopes.free()
+        self.payloads.free()
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_peer(size: int, peer, role: str, operation: str, wildcard: bool = False) -> int:
+    """The MPI rank for ``peer``; ValueError for anything but an int in range (or ``ANY_SOURCE`` if allowed)."""
+    if type(peer) is int and 0 <= peer < size:  # the common case first
+        return peer
+    if peer is ANY_SOURCE and wildcard:
+        return MPI.ANY_SOURCE
+    if type(peer) is not int and not isinstance(peer, np.integer) or not 0 <= peer < size:
+        hint = " or mpcomm.ANY_SOURCE" if wildcard else ""
+        raise ValueError(f"{operation}: {role} rank {peer!r} is not a rank of a communicator of size {size}"
+                         f" (an int in 0..{size - 1}{hint})")
+    return int(peer)
+
+
+def check_tag(tag, operation: str, wildcard: bool = False) -> int:
+    """The MPI tag for ``tag``; ValueError for anything but an int in 0..TAG_UB (or ``ANY_TAG`` if allowed)."""
+    if type(tag) is int and 0 <= tag <= _TAG_UB:
+        return tag
+    if tag is ANY_TAG and wildcard:
+        return MPI.ANY_TAG
+    if type(tag) is not int and not isinstance(tag, np.integer) or not 0 <= tag <= _TAG_UB:
+        hint = "; pass mpcomm.ANY_TAG to match any tag" if wildcard else ""
+        raise ValueError(f"{operation}: tag {tag!r} is not an int in 0..{_TAG_UB} (the MPI library's TAG_UB){hint}")
+    return int(tag)
+
+
+# ---------------------------------------------------------------------------------------------- sending
+def isend(channels: Channels, payload_t, buf, dst, tag=0) -> "SendWork":
+    """Start sending ``buf`` to ``dst``; the buffer must not change until the Work completes.
+
+    ``payload_t`` is the payload channel's transport for ``buf`` (a device wrapper for CuPy arrays).
+    """
+    dst = check_peer(channels.size, dst, "destination", "send")
+    tag = check_tag(tag, "send")
+    array = buf if type(buf) is np.ndarray else as_input(buf, "send")
+    if not array.flags.c_contiguous:
+        array = array.copy()
+    code, nbytes, mpi = _code(array.dtype), array.nbytes, channels.envelopes.mpi
+    if nbytes <= INLINE_BYTES and type(array) is np.ndarray:
+        header = (code, nbytes, array.size, _INLINE)
+        envelope = _HEADER.pack(*header) + array.tobytes()
+        return SendWork(channels, [mpi.Isend(envelope, dst, tag)], header, dst, tag)
+    sequence = channels.next_sequence(dst)
+    header = (code, nbytes, array.size, sequence)
+    requests = [mpi.Isend(_HEADER.pack(*header), dst, tag), payload_t.isend(array.reshape(-1), dst, sequence)]
+    return SendWork(channels, requests, header, dst, tag, payload_t, array)
+
+
+class SendWork(Work):
+    """A send in flight: done when MPI has taken the envelope (and payload)."""
+
+    def __init__(self, channels, requests, header, dst, tag, payload_t=None, keep=None):
+        self._channels, self._requests, self._header = channels, requests, header
+        self._dst, self._tag, self._payload_t, self._keep = dst, tag, payload_t, keep
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done:
+            t = self._payload_t or self._channels.envelopes
+            if type(t) is not Transport or not MPI.Request.Testall(self._requests):  # (a device wrapper's wait
+                peers = (self._dst,) * len(self._requests)                         # releases its staged copy)
+                t.wait(self._requests, peers, timeout=timeout, operation=_Lazy(self._describe))
+            self._done, self._keep = True, None
+
+    def _describe(self) -> str:
+        return f"send of {_describe(self._header)} to rank {self._dst} (tag {self._tag})"
+
+    def is_completed(self) -> bool:
+        if not self._done:
+            self._channels.progress()  # a peer may be waiting, as this send may, for this rank to open envelopes
+            if all(r.Get_status() for r in self._requests):
+                self.wait()
+        return self._done
+
+
+# ---------------------------------------------------------------------------------------------- receiving
+def irecv(channels: Channels, payload_t, buf, src=ANY_SOURCE, tag=ANY_TAG, status: Status | None = None):
+    """Start receiving into ``buf``; on completion raises if the sender's size or dtype differ.
+
+    ``src``/``tag`` may be ``ANY_SOURCE``/``ANY_TAG``; the Work's ``source``/``tag`` (and ``status``) tell what
+    was matched.
+    """
+    src = check_peer(channels.size, src, "source", "recv", wildcard=True)
+    tag = check_tag(tag, "recv", wildcard=True)
+    array = buf if type(buf) is np.ndarray else as_output(buf, "recv")
+    if not array.flags.writeable:
+        raise ValueError(f"recv: output buffer is read-only (shape {array.shape}, dtype {array.dtype})")
+    envelope = np.empty(_ENVELOPE_BYTES, dtype=np.uint8)
+    work = RecvWork(channels, payload_t, channels.envelopes.mpi.Irecv(envelope, src, tag), envelope, buf, array,
+                    src, tag, status)
+    channels.register(work)
+    return work
+
+
+class RecvWork(Work):
+    """A receive in flight: the envelope first, then (for large messages) the payload it announces."""
+
+    def __init__(self, channels, payload_t, request, envelope, buf, array, src, tag, status):
+        self._channels, self._payload_t, self._request, self._envelope = channels, payload_t, request, envelope
+        self._buf, self._array, self._src, self._tag, self._status = buf, array, src, tag, status
+        self._opened = False
+        self._payload: MPI.Request | None = None
+        self._target = None
+        self._done = False
+        self._error: ValueError | None = None
+        self.source: int | None = None
+        self.tag: int | None = None
+
+    def wait(self, timeout: float | None = None):
+        if not self._done and self._error is None:
+            limit = self._channels.envelopes.timeout if timeout is None else timeout
+            start = time.monotonic()
+            if not self._opened:
+                self._wait_opened(start, limit)
+            if self._payload is not None and self._error is None:
+                peers = (self.source,)
+                remaining = max(0.0, limit - (time.monotonic() - start))
+                self._payload_t.wait([self._payload], peers, timeout=remaining, operation=_Lazy(self._describe))
+                self._finish()
+        if self._error is not None:
+            raise self._error
+        return self._buf
+
+    def is_completed(self) -> bool:
+        if not self._opened:
+            self._channels.progress()
+            if not self._opened:
+                return False
+        if self._payload is not None and not self._done and self._error is None and not self._payload.Get_status():
+            return False
+        self.wait()
+        return True
+
+    def _wait_opened(self, start: float, limit: float) -> None:
+        """Until this receive's envelope is opened (by this thread or another's progress), within ``limit`` s."""
+        channels, spins = self._channels, 0
+        channels.progress()
+        while not self._opened:
+            spins += 1
+            if spins < _SPINS_BEFORE_YIELD:
+                channels.progress()
+                continue
+            spins = 0
+            os.sched_yield()
+            elapsed = time.monotonic() - start
+            if elapsed > limit:
+                channels.forget(self)
+                if not self._opened:  # not opened meanwhile: give up on it
+                    try:
+                        self._request.Cancel()
+                    except MPI.Exception:
+                        pass
+                    peers = channels.envelopes.others if self._src == MPI.ANY_SOURCE else (self._src,)
+                    raise CommTimeoutError(self._describe(), peers, elapsed, limit, channels.rank, ON_TIMEOUT)
+            channels.progress()
+
+    def _try_open(self) -> bool:
+        """Open the envelope if it has arrived (called under the channels' lock); True once opened."""
+        status = MPI.Status()
+        try:
+            if not self._request.Test(status):
+                return False
+        except MPI.Exception as exc:
+            self._error = MpcommError(f"rank {self._channels.rank}: {self._describe()}: "
+                                      f"{_error_text(exc.Get_error_code())}")
+            self._opened = True
+            return True
+        try:
+            self._open(status)
+        except ValueError as exc:  # kept for wait()
+            self._error = exc
+        self._opened = True
+        return True
+
+    def _open(self, status: MPI.Status) -> None:
+        """The envelope has arrived: check it, then copy an inline payload or post the payload's receive."""
+        self.source, self.tag = status.Get_source(), status.Get_tag()
+        sent = _HEADER.unpack_from(self._envelope)
+        code, nbytes, count, sequence = sent
+        array = self._array
+        if code != _code(array.dtype) or nbytes != array.nbytes:
+            if sequence != _INLINE:  # take the payload anyway: the sender completes, nothing is left in flight
+                drain = np.empty(nbytes, dtype=np.uint8)
+                self._channels.payloads.wait([self._channels.payloads.mpi.Irecv(drain, self.source, sequence)],
+                                             (self.source,), operation=_Lazy(self._describe))
+            raise ValueError(f"{self._describe()}: the sender sent {_describe(sent)}; sizes and dtypes must match "
+                             "exactly")
+        self._target = array if array.flags.c_contiguous else array.copy()
+        if sequence == _INLINE:
+            if nbytes:
+                inline = self._envelope[_HEADER.size : _HEADER.size + nbytes]
+                flat = self._target.reshape(-1).view(np.uint8)
+                flat[...] = inline if type(flat) is np.ndarray else _to_device(inline)
+            self._finish()
+            return
+        self._payload = self._payload_t.irecv(self._target.reshape(-1), self.source, sequence)
+
+    def _finish(self) -> None:
+        if self._target is not self._array:
+            self._array[...] = self._target
+        if self._status is not None:
+            self._status.source, self._status.tag, self._status.count = self.source, self.tag, self._array.size
+        self._done = True
+
+    def _describe(self) -> str:
+        src = "any rank" if self._src == MPI.ANY_SOURCE else f"rank {self._src}"
+        tag = "any tag" if self._tag == MPI.ANY_TAG else f"tag {self._tag}"
+        array = self._array
+        return f"recv of {array.size} elements of {array.dtype} ({array.nbytes} B) from {src} ({tag})"
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+class _Lazy:
+    """A label formatted only when an error message needs it (the hot path never formats)."""
+
+    __slots__ = ("describe",)
+
+    def __init__(self, describe):
+        self.describe = describe
 
     def __str__(self) -> str:
-        return f"{self.verb} of {_describe(self.header)} {self.where} rank {self.peer} (tag {self.tag})"
+        return self.describe()
 
 
-def check_peer(t: Transport, peer: int, role: str, operation: str) -> None:
-    """ValueError for a rank outside the communicator."""
-    if not isinstance(peer, (int, np.integer)) or not 0 <= int(peer) < t.size:
-        raise ValueError(f"{operation}: {role} rank {peer!r} is out of range for a communicator of size {t.size}")
+def _code(dtype: np.dtype) -> int:
+    code = _CODES.get(dtype)
+    return zlib.crc32(dtype.name.encode()) if code is None else code
 
 
-def isend(t: Transport, buf, dst: int, tag: int = 0) -> RequestWork:
-    """Start sending ``buf`` to ``dst``; the buffer must not change until the Work completes."""
-    check_peer(t, dst, "destination", "send")
-    array = as_input(buf, "send")
-    payload = flat(array)
-    if payload is None:  # non-contiguous: send a contiguous copy
-        payload = array.copy().reshape(-1)
-    header = _header(payload)
-    requests = [t.isend(header, dst, tag), t.isend(payload, dst, tag)]
+def _to_device(host_bytes):
+    import cupy
 
-    def complete(timeout):
-        with t.running(_Operation("send", header, "to", dst, tag)):
-            t.wait(requests, (dst, dst), timeout=timeout)
-        payload.size  # keep the payload alive until the send completes
-
-    return RequestWork(complete, lambda: _ready(requests))
+    return cupy.asarray(host_bytes)
 
 
-def irecv(t: Transport, buf, src: int, tag: int = 0) -> RequestWork:
-    """Start receiving into ``buf`` from ``src``; raises on completion if the sender's size or dtype differ."""
-    check_peer(t, src, "source", "recv")
-    array = as_output(buf, "recv")
-    target = flat(array)
-    payload = target if target is not None else array.copy().reshape(-1)
-    header = np.zeros(3, dtype=np.int64)
-    requests = [t.irecv(header, src, tag), t.irecv(payload, src, tag)]
-    expected = _header(payload)
-
-    def complete(timeout):
-        operation = _Operation("recv", expected, "from", src, tag)
-        with t.running(operation):
-            try:
-                t.wait(requests, (src, src), (expected.nbytes, None), timeout=timeout)
-            except MpcommError as exc:
-                if header.any():
-                    raise _mismatch(operation, header) from None
-                raise exc
-        if not (header[0] == expected[0] and header[1] == expected[1] and header[2] == expected[2]):
-            raise _mismatch(operation, header)
-        if target is None:
-            array[...] = payload.reshape(array.shape)
-        return buf
-
-    return RequestWork(complete, lambda: _ready(requests))
-
-
-def _ready(requests) -> bool:
-    """Whether every request has completed, without freeing them (unlike Testall), so the statuses that
-    ``complete`` checks (byte counts) are still there when it runs."""
-    return all(request.Get_status() for request in requests)
-
-
-def _mismatch(operation: str, header: np.ndarray) -> ValueError:
-    return ValueError(f"{operation}: the sender sent {_describe(header)}; sizes and dtypes must match exactly")
+def _describe(header) -> str:
+    code, nbytes, count = (int(x) for x in header[:3])
+    return f"{count} elements of {_DTYPE_NAMES.get(code, 'dtype#%d' % code)} ({nbytes} B)"

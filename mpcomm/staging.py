@@ -45,7 +45,8 @@ DEFAULT_CHUNK = 1 << 20
 _SPINS_BEFORE_YIELD = 32
 
 # Where the outputs are among an algorithm's array arguments (after the transport): copied back after "native".
-OUTPUTS = {"allreduce": (0,), "reduce_scatter": (1,), "all_gather": (1,), "broadcast": (0,)}
+OUTPUTS = {"allreduce": (0,), "reduce_scatter": (1,), "all_gather": (1,), "broadcast": (0,), "reduce": (1,),
+           "gather": (1,), "scatter": (1,), "all_to_all": (3,), "all_to_all_v": (3,)}
 # Algorithms that call MPI collectives on the buffers themselves.
 HOST_COLLECTIVES = {"native"}
 
@@ -183,6 +184,14 @@ class _DeviceTransport:
     def operation(self, value: str) -> None:
         self.inner.operation = value
 
+    @property
+    def progress_hook(self):
+        return self.inner.progress_hook
+
+    @progress_hook.setter
+    def progress_hook(self, hook) -> None:
+        self.inner.progress_hook = hook
+
     def running(self, operation: str):
         return self.inner.running(operation)
 
@@ -226,8 +235,8 @@ class DirectTransport(_DeviceTransport):
             self.synchronize_caller()  # earlier kernels may still read the buffer MPI is about to write
         return self.inner.irecv(buf, src, tag)
 
-    def wait(self, requests, peers, expected=(), timeout=None) -> None:
-        self.inner.wait(requests, peers, expected, timeout)
+    def wait(self, requests, peers, expected=(), timeout=None, **names) -> None:
+        self.inner.wait(requests, peers, expected, timeout, **names)
 
     def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0) -> None:
         self.synchronize_caller()
@@ -382,10 +391,10 @@ class StagedTransport(_DeviceTransport):
         self._pending[id(request)] = (request, host, buf)
         return request
 
-    def wait(self, requests: Sequence, peers, expected=(), timeout=None) -> None:
+    def wait(self, requests: Sequence, peers, expected=(), timeout=None, **names) -> None:
         """Wait as the plain transport does, then copy staged receives to their device buffers."""
         entries = [self._pending.pop(id(r), None) for r in requests]
-        self.inner.wait(requests, peers, expected, timeout)
+        self.inner.wait(requests, peers, expected, timeout, **names)
         landed = [(entry[1], entry[2]) for entry in entries if entry is not None and entry[2] is not None]
         if not landed:
             return

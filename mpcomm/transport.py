@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -19,23 +21,38 @@ from .errors import CommTimeoutError, MpcommError
 
 # Spins of Testall before each poll also yields the core: ranks are often oversubscribed on small machines.
 _SPINS_BEFORE_YIELD = 32
+# A patient transport (the progress thread's) sleeps between polls once a wait has lasted _SPIN_SECONDS, for
+# _SLEEP_SHARE of the time waited so far (at most _MAX_SLEEP): the caller's thread computes meanwhile, and a
+# spinning progress thread would take its core (and the GIL) for as long as the wire is busy. Waking late by
+# a few percent of a wait that long is what it costs.
+_SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
 
 
 class Transport:
     """Messages between the ranks of ``mpi_comm`` (a communicator private to mpcomm)."""
 
-    def __init__(self, mpi_comm: MPI.Comm, timeout: float, ranks_per_node: int | None = None):
+    def __init__(self, mpi_comm: MPI.Comm, timeout: float, ranks_per_node: int | None = None,
+                 on_timeout: str = CommTimeoutError.UNUSABLE):
         self.mpi = mpi_comm
+        self.on_timeout = on_timeout  # what a timeout leaves behind, for its error message
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.timeout = float(timeout)
         self.operation = "communication"
         self._ranks_per_node = ranks_per_node
-        self._scratch: dict[str, np.ndarray] = {}
+        self._scratch: dict = {}
         self._node: Transport | None = None
         self._cross: Transport | None = None
         self._uniform: bool | None = None
         self.others = tuple(r for r in range(self.size) if r != self.rank)  # every peer (error messages)
+        # Held while a collective runs on this transport: a second thread arriving meanwhile is an error.
+        self.in_use = threading.Lock()
+        # Measured totals of the collectives run here: (operation, algorithm) -> [calls, bytes, seconds].
+        # One table per transport, so the thread that runs its collectives is the only writer.
+        self.records: dict[tuple[str, str], list] = {}
+        # Called while this transport waits: progress of point-to-point receives (see ``mpcomm.p2p.Channels``).
+        self.progress_hook = None
+        self.patient = False  # sleep in long waits (the progress thread's transport: see _SLEEP_SHARE)
 
     # ------------------------------------------------------------------ context for error messages
     def running(self, operation: str) -> "_Running":
@@ -47,11 +64,10 @@ class Transport:
         """A reusable 1-D scratch array of ``count`` elements; ``slot`` names independent buffers."""
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
-        xp = _array_module(like)
-        key = f"{slot}:{xp.__name__}"
+        key = slot if like is None or type(like) is np.ndarray else (slot, type(like).__module__.split(".")[0])
         buf = self._scratch.get(key)
         if buf is None or buf.nbytes < nbytes:
-            buf = xp.empty(max(nbytes, 64), dtype=np.uint8)
+            buf = _array_module(like).empty(max(nbytes, 64), dtype=np.uint8)
             self._scratch[key] = buf
         return buf[:nbytes].view(dtype)
 
@@ -68,28 +84,55 @@ class Transport:
         peers: Sequence[int],
         expected: Sequence[int | None] = (),
         timeout: float | None = None,
+        statuses: list[MPI.Status] | None = None,
+        operation=None,
     ) -> None:
-        """Wait for all ``requests`` within the timeout; ``expected[i]`` is the byte count request i must receive."""
-        statuses = [MPI.Status() for _ in requests]
+        """Wait for all ``requests`` within the timeout; ``expected[i]`` is the byte count request i must receive;
+        ``statuses``, if given, receives the requests' statuses; ``operation`` names the wait in errors (default:
+        the operation running on this transport)."""
+        if not expected and statuses is None:  # nothing to read from the statuses: the common case, kept lean
+            try:
+                if not MPI.Request.Testall(requests):
+                    self._poll(requests, None, peers, self.timeout if timeout is None else timeout, operation)
+            except MPI.Exception as exc:
+                raise self._mpi_error(exc, [], peers, operation) from None
+            return
+        if statuses is None:
+            statuses = [MPI.Status() for _ in requests]
         try:
-            done = MPI.Request.Testall(requests, statuses)
-            if not done:
-                self._poll(requests, statuses, peers, self.timeout if timeout is None else timeout)
+            if not MPI.Request.Testall(requests, statuses):
+                self._poll(requests, statuses, peers, self.timeout if timeout is None else timeout, operation)
         except MPI.Exception as exc:
-            # MPI_ERR_IN_STATUS only says "see the statuses": name the failed requests' own errors instead
-            failed = [f"with rank {peer}: {_error_text(status.Get_error())}"
-                      for status, peer in zip(statuses, peers)
-                      if status.Get_error() not in (MPI.SUCCESS, MPI.ERR_PENDING)]
-            raise MpcommError(
-                f"rank {self.rank}: {self.operation}: MPI error while exchanging with rank(s) {list(peers)}: "
-                f"{'; '.join(failed) or exc.Get_error_string()} (do all ranks pass the same sizes and dtypes?)"
-            ) from None
+            raise self._mpi_error(exc, statuses, peers, operation) from None
         for status, nbytes, peer in zip(statuses, expected, peers):
             if nbytes is not None and status.Get_count(MPI.BYTE) != nbytes:
                 raise MpcommError(
-                    f"rank {self.rank}: {self.operation}: received {status.Get_count(MPI.BYTE)} bytes from rank "
-                    f"{peer}, expected {nbytes} (do all ranks pass the same sizes and dtypes?)"
+                    f"rank {self.rank}: {operation or self.operation}: received {status.Get_count(MPI.BYTE)} bytes "
+                    f"from rank {peer}, expected {nbytes} (do all ranks pass the same sizes and dtypes?)"
                 )
+
+    def _mpi_error(self, exc: MPI.Exception, statuses, peers, operation=None) -> MpcommError:
+        """An MpcommError for an MPI failure, naming the failed requests' own errors (MPI_ERR_IN_STATUS only
+        says "see the statuses")."""
+        failed = [f"with rank {peer}: {_error_text(status.Get_error())}"
+                  for status, peer in zip(statuses, peers)
+                  if status.Get_error() not in (MPI.SUCCESS, MPI.ERR_PENDING)]
+        return MpcommError(
+            f"rank {self.rank}: {operation or self.operation}: MPI error while exchanging with rank(s) "
+            f"{list(peers)}: {'; '.join(failed) or _error_text(exc.Get_error_code())} "
+            "(do all ranks pass the same sizes and dtypes?)"
+        )
+
+    def allgather_object(self, obj) -> list:
+        """Every rank's ``obj`` (pickled), in rank order; both steps (lengths, bytes) wait with the deadline."""
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        lengths = np.empty(self.size, dtype=np.int64)
+        self.wait([self.mpi.Iallgather(np.array([data.size], dtype=np.int64), lengths)], self.others)
+        everything = np.empty(int(lengths.sum()), dtype=np.uint8)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        self.wait([self.mpi.Iallgatherv(data, [everything, (lengths.tolist(), offsets.tolist()), MPI.BYTE])],
+                  self.others)
+        return [pickle.loads(everything[o : o + n].tobytes()) for o, n in zip(offsets.tolist(), lengths.tolist())]
 
     def bcast_object(self, obj, root: int = 0):
         """Rank ``root``'s ``obj`` (pickled) on every rank; both broadcasts (length, bytes) wait with the deadline."""
@@ -141,10 +184,15 @@ class Transport:
         return self._uniform
 
     def _split_topology(self) -> None:
+        # Comm_split has no non-blocking form: meet first with a deadline, so a missing rank is a CommTimeoutError
+        # here rather than a hang inside the split.
+        self.wait([self.mpi.Ibarrier()], self.others)
         node_comm = split_node(self.mpi, self._ranks_per_node)
         cross_comm = self.mpi.Split(node_comm.Get_rank(), self.rank)
         self._node = type(self)(node_comm, self.timeout)
         self._cross = type(self)(cross_comm, self.timeout)
+        for sub in (self._node, self._cross):
+            sub.progress_hook, sub.patient = self.progress_hook, self.patient
 
     def free(self) -> None:
         """Release the MPI communicators this transport owns."""
@@ -158,16 +206,23 @@ class Transport:
     def _wire(self, buf):
         return byte_view(buf)
 
-    def _poll(self, requests, statuses, peers, timeout: float) -> None:
+    def _poll(self, requests, statuses, peers, timeout: float, operation=None) -> None:
         start = time.monotonic()
         deadline = start + timeout
         spins = 0
-        while not MPI.Request.Testall(requests, statuses):
+        hook = self.progress_hook
+        while not (MPI.Request.Testall(requests, statuses) if statuses is not None else MPI.Request.Testall(requests)):
+            if hook is not None:
+                hook()
             spins += 1
             if spins < _SPINS_BEFORE_YIELD:
                 continue
-            os.sched_yield()
+            spins = 0
             now = time.monotonic()
+            if self.patient and now - start > _SPIN_SECONDS:
+                time.sleep(min(_MAX_SLEEP, _SLEEP_SHARE * (now - start)))
+            else:
+                os.sched_yield()
             if now > deadline:
                 for request in requests:
                     if request != MPI.REQUEST_NULL:
@@ -175,7 +230,8 @@ class Transport:
                             request.Cancel()
                         except MPI.Exception:
                             pass
-                raise CommTimeoutError(self.operation, peers, now - start, timeout, self.rank)
+                raise CommTimeoutError(operation or self.operation, peers, now - start, timeout, self.rank,
+                                       self.on_timeout)
 
 
 class _Running:
@@ -209,17 +265,39 @@ def split_node(mpi_comm: MPI.Comm, ranks_per_node: int | None) -> MPI.Comm:
     return mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
 
 
-def ranks_per_core(mpi_comm: MPI.Comm) -> float:
-    """The largest ratio, over the hosts of ``mpi_comm``, of its ranks on the host to the CPUs they may run on
-    (the union of their affinity masks); above 1 the ranks share cores (collective)."""
-    host = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
+@dataclass(frozen=True)
+class Topology:
+    """Where a rank sits: its place in its node, every node's size (in node-leader rank order), and the largest
+    ratio over the hosts of ranks to the CPUs they may run on (above 1 the ranks share cores)."""
+
+    node_rank: int
+    node_size: int
+    node_sizes: tuple[int, ...]
+    ranks_per_core: float
+
+
+def node_topology(t: Transport, ranks_per_node: int | None) -> Topology:
+    """The topology of ``t``'s communicator (collective). The splits block (MPI has no non-blocking split), so
+    call it once every rank is known to be here; the exchange after them waits with ``t``'s deadline."""
+    node = split_node(t.mpi, ranks_per_node)
+    host = t.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=t.rank) if ranks_per_node else node
     try:
-        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        cpus = set().union(*map(set, host.allgather(mine)))
-        ratio = host.Get_size() / max(1, len(cpus))
+        host_group, group = host.Get_group(), t.mpi.Get_group()
+        host_leader = MPI.Group.Translate_ranks(host_group, [0], group)[0]
+        host_group.Free()
+        group.Free()
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        mine = (node.Get_rank(), node.Get_size(), host_leader, cpus)
     finally:
-        host.Free()
-    return float(mpi_comm.allreduce(ratio, op=MPI.MAX))
+        if host is not node:
+            host.Free()
+        node.Free()
+    everyone = t.allgather_object(mine)
+    hosts: dict[int, list] = {}
+    for _, _, leader, allowed in everyone:
+        hosts.setdefault(leader, []).append(set(allowed))
+    ratio = max(len(sets) / max(1, len(set().union(*sets))) for sets in hosts.values())
+    return Topology(mine[0], mine[1], tuple(size for rank, size, _, _ in everyone if rank == 0), float(ratio))
 
 
 def _array_module(like):

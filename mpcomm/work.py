@@ -1,11 +1,12 @@
-"""Handles of non-blocking operations, returned by isend/irecv and iallreduce/ireduce_scatter/iall_gather."""
+"""Handles of non-blocking operations: the ``Work`` interface (see ``mpcomm.p2p`` for isend/irecv) and the
+collectives running on a progress thread (iallreduce/ireduce_scatter/iall_gather)."""
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any
 
 from .errors import CommTimeoutError
 
@@ -22,6 +23,11 @@ class Work(ABC):
         """True once the operation is done; never blocks."""
 
 
+# What a wait(timeout) that gave up leaves behind: the operation goes on (its own deadline still bounds it).
+STILL_RUNNING = ("the operation is still running and the communicator stays usable; wait() again, or let the "
+                 "communicator's own timeout end it")
+
+
 class FutureWork(Work):
     """A collective running on the communicator's progress thread."""
 
@@ -36,26 +42,8 @@ class FutureWork(Work):
             if self._future.done():  # the operation itself raised (CommTimeoutError is a TimeoutError too)
                 raise
             elapsed = time.monotonic() - self._start
-            raise CommTimeoutError(self._operation, self._peers, elapsed, timeout, self._rank) from None
+            raise CommTimeoutError(self._operation, self._peers, elapsed, timeout, self._rank,
+                                   consequence=STILL_RUNNING) from None
 
     def is_completed(self) -> bool:
         return self._future.done()
-
-
-class RequestWork(Work):
-    """MPI requests of a point-to-point operation; ``complete(timeout)`` waits and runs the checks."""
-
-    def __init__(self, complete: Callable[[float | None], Any], test: Callable[[], bool]):
-        self._complete, self._test = complete, test
-        self._done, self._result = False, None
-
-    def wait(self, timeout: float | None = None) -> Any:
-        if not self._done:
-            self._result = self._complete(timeout)
-            self._done = True
-        return self._result
-
-    def is_completed(self) -> bool:
-        if not self._done and self._test():
-            self.wait()
-        return self._done

@@ -362,19 +362,26 @@ def test_staged_wire_refuses_staged_arrays():
 
 @pytest.mark.mpi
 def test_staged_p2p_ring(comm, staged):
-    """p2p's header + payload through the non-blocking staged path (whole-message copies in wait)."""
+    """p2p's envelope + payload with the payload through the non-blocking staged path (whole-message copies in
+    wait): a message above p2p.INLINE_BYTES, so the payload is not carried in the envelope."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-    out = np.arange(300, dtype=np.float64) + comm.rank
-    got = np.empty(300, np.float64)
+    count = p2p.INLINE_BYTES // 8 + 300
+    out = np.arange(count, dtype=np.float64) + comm.rank
+    got = np.empty(count, np.float64)
+    envelopes = Transport(WORLD.Dup(), timeout=30.0)
+    channels = p2p.Channels(envelopes, staged)
+    copies_before = staged.copier.copies["to_host"]
 
     def body():
-        receiving = p2p.irecv(staged, got, left, tag=3)
-        sending = p2p.isend(staged, out, right, tag=3)
+        receiving = p2p.irecv(channels, staged, got, left, tag=3)
+        sending = p2p.isend(channels, staged, out, right, tag=3)
         sending.wait()
         receiving.wait()
 
     in_step(body)
-    np.testing.assert_array_equal(got, np.arange(300, dtype=np.float64) + left)
+    envelopes.free()
+    np.testing.assert_array_equal(got, np.arange(count, dtype=np.float64) + left)
+    assert staged.copier.copies["to_host"] > copies_before  # the payload really went through staging
 
 
 @pytest.mark.mpi

@@ -1,12 +1,15 @@
 """The collective algorithms, one module each, as plain functions over a Transport.
 
-Signatures (all buffers contiguous 1-D arrays of the same wire dtype):
+Signatures (all buffers contiguous 1-D arrays of the same wire dtype; a buffer only the root uses may be None
+elsewhere; counts and displacements in elements):
 ``allreduce(t, buf, op)`` in place; ``reduce_scatter(t, sendbuf, recvbuf, op)``;
-``all_gather(t, sendbuf, recvbuf)``; ``broadcast(t, buf, root)``.
+``all_gather(t, sendbuf, recvbuf)``; ``broadcast(t, buf, root)``; ``reduce(t, sendbuf, recvbuf, op, root)``;
+``gather(t, sendbuf, recvbuf, root)``; ``scatter(t, sendbuf, recvbuf, root)``;
+``all_to_all[_v](t, sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs)``.
 """
 from __future__ import annotations
 
-from . import hierarchical, native, pipelined, rhd, ring, tree
+from . import bruck, hierarchical, native, pairwise, pipelined, rhd, ring, tree
 
 ALLREDUCE = {
     "ring": ring.allreduce,
@@ -31,10 +34,38 @@ BROADCAST = {
     "tree": tree.broadcast,
     "native": native.broadcast,
 }
+REDUCE = {
+    "tree": tree.reduce_to,
+    "rhd": rhd.reduce,
+    "native": native.reduce,
+}
+GATHER = {
+    "tree": tree.gather,
+    "native": native.gather,
+}
+SCATTER = {
+    "tree": tree.scatter,
+    "native": native.scatter,
+}
+ALL_TO_ALL = {
+    "pairwise": pairwise.all_to_all,
+    "bruck": bruck.all_to_all,
+    "native": native.all_to_all,
+}
+ALL_TO_ALL_V = {
+    "pairwise": pairwise.all_to_all,  # per-peer counts need nothing more
+    "bruck": bruck.all_to_all_v,
+    "native": native.all_to_all_v,
+}
 
 REGISTRY = {
     "allreduce": ALLREDUCE,
     "reduce_scatter": REDUCE_SCATTER,
     "all_gather": ALL_GATHER,
     "broadcast": BROADCAST,
+    "reduce": REDUCE,
+    "gather": GATHER,
+    "scatter": SCATTER,
+    "all_to_all": ALL_TO_ALL,
+    "all_to_all_v": ALL_TO_ALL_V,
 }

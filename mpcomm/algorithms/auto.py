@@ -54,9 +54,8 @@ class Layout:
 
     @classmethod
     def of(cls, comm) -> "Layout":
-        """The layout of a Communicator (collective: every rank must call)."""
-        sizes = comm.mpi.allgather(comm.node_size if comm.node_rank == 0 else 0)
-        return cls(comm.size, tuple(s for s in sizes if s), max(1.0, getattr(comm, "ranks_per_core", 1.0)))
+        """The layout of a Communicator (from what its constructor measured; no communication)."""
+        return cls(comm.size, tuple(comm.node_sizes), max(1.0, comm.ranks_per_core))
 
     @classmethod
     def blocks(cls, size: int, ranks_per_node: int) -> "Layout":

@@ -1,19 +1,60 @@
-"""The MPI library's own collectives, issued non-blocking so the wait is bounded by the timeout."""
+"""The MPI library's own collectives, issued non-blocking so the wait is bounded by the timeout.
+
+Two things the MPI library does not promise are restored here, so that ``native`` meets the same contract as
+mpcomm's own algorithms:
+
+* min/max of floats: MPI's MIN/MAX do not propagate NaN, and which of -0.0/+0.0 they return depends on the
+  operand order, which differs between ranks. The floats are reduced as integer keys that sort like the
+  floats (NaN mapped to the extreme that wins), which gives numpy's NaN propagation and one answer everywhere.
+* sums and products of floats with NaN: the NaN's sign and payload depend on the operand order, which differs
+  between ranks in the library's recursive doubling; an all-reduce that produced NaN writes numpy's NaN.
+"""
 from __future__ import annotations
 
+import numpy as np
 from mpi4py import MPI
 
-from ..buffers import ReduceOp
+from ..buffers import MAX, MIN, ReduceOp
 from ..transport import Transport
+
+_KEYS = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
+_REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
+    if op.name in (MIN, MAX) and buf.dtype in _KEYS:
+        keys = _to_keys(buf, op.name)
+        _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
+        _from_keys(keys, buf)
+        return
     _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi))
     op.finish(buf)
+    if t.size > 1 and buf.dtype.kind in "fc":
+        _canonical_nans(buf)
+
+
+def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
+    """``recvbuf`` on ``root`` <- the reduction (``recvbuf`` may be None elsewhere)."""
+    if op.name in (MIN, MAX) and sendbuf.dtype in _KEYS:
+        keys = _to_keys(_copy(t, sendbuf), op.name)
+        result = recvbuf.view(keys.dtype) if t.rank == root else None
+        _wait(t, t.mpi.Ireduce(keys, result, op.mpi, root))
+        if t.rank == root:
+            _from_keys(result, recvbuf)
+        return
+    _wait(t, t.mpi.Ireduce(sendbuf, recvbuf if t.rank == root else None, op.mpi, root))
+    if t.rank == root:
+        op.finish(recvbuf)
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
+    if op.name in (MIN, MAX) and sendbuf.dtype in _KEYS:
+        keys = _to_keys(_copy(t, sendbuf), op.name)
+        _wait(t, t.mpi.Ireduce_scatter_block(keys, recvbuf.view(keys.dtype), op.mpi))
+        _from_keys(recvbuf.view(keys.dtype), recvbuf)
+        return
     _wait(t, t.mpi.Ireduce_scatter_block(sendbuf, recvbuf, op.mpi))
+    op.finish(recvbuf)
 
 
 def all_gather(t: Transport, sendbuf, recvbuf) -> None:
@@ -24,5 +65,56 @@ def broadcast(t: Transport, buf, root: int = 0) -> None:
     _wait(t, t.mpi.Ibcast(t._wire(buf), root))
 
 
+def gather(t: Transport, sendbuf, recvbuf, root: int = 0) -> None:
+    _wait(t, t.mpi.Igather(t._wire(sendbuf), t._wire(recvbuf) if t.rank == root else None, root))
+
+
+def scatter(t: Transport, sendbuf, recvbuf, root: int = 0) -> None:
+    _wait(t, t.mpi.Iscatter(t._wire(sendbuf) if t.rank == root else None, t._wire(recvbuf), root))
+
+
+def all_to_all(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs) -> None:
+    _wait(t, t.mpi.Ialltoall(t._wire(sendbuf), t._wire(recvbuf)))
+
+
+def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs) -> None:
+    size = sendbuf.itemsize
+
+    def spec(buf, counts, displs):
+        return [t._wire(buf), ([c * size for c in counts], [d * size for d in displs]), MPI.BYTE]
+
+    _wait(t, t.mpi.Ialltoallv(spec(sendbuf, send_counts, send_displs), spec(recvbuf, recv_counts, recv_displs)))
+
+
+# ------------------------------------------------------------------------------------------ helpers
 def _wait(t: Transport, request: MPI.Request) -> None:
     t.wait([request], peers=t.others)
+
+
+def _copy(t: Transport, array):
+    copy = t.scratch("native.keys", array.size, array.dtype, like=array)
+    copy[...] = array
+    return copy
+
+
+def _to_keys(floats, op: str):
+    """In place: the floats become integers that sort as the floats do, NaN the extreme that ``op`` picks."""
+    bits = floats.view(_KEYS[floats.dtype])
+    magnitude = np.iinfo(bits.dtype).max  # every bit but the sign
+    np.copyto(bits, -1 if op == MIN else magnitude, where=np.isnan(floats))  # -1: a NaN with the sign bit set
+    bits ^= (bits >> (8 * bits.itemsize - 1)) & magnitude  # negative floats count down (its own inverse)
+    return bits
+
+
+def _from_keys(bits, floats) -> None:
+    """In place: undo :func:`_to_keys` (``floats`` is the float view of ``bits``); NaN becomes numpy's NaN."""
+    bits ^= (bits >> (8 * bits.itemsize - 1)) & np.iinfo(bits.dtype).max
+    _canonical_nans(floats)
+
+
+def _canonical_nans(floats) -> None:
+    """In place: every NaN (real or imaginary part) becomes numpy's ``nan``, the same bits on every rank."""
+    parts = floats.view(_REAL[floats.dtype]) if floats.dtype in _REAL else floats
+    nans = np.isnan(parts)
+    if nans.any():
+        parts[nans] = np.nan

@@ -72,3 +72,4 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
     reduce_scatter_chunks(t, sendbuf, recvbuf, op, equal_bounds(recvbuf.size, t.size))
+    op.finish(recvbuf)

@@ -24,6 +24,12 @@ class _Fold:
         else:
             self.vrank = rank - self.rem
 
+    def virtual(self, rank: int) -> int:
+        """The virtual rank that stands for ``rank`` (its partner's, if ``rank`` was folded away)."""
+        if rank < 2 * self.rem:
+            return rank // 2
+        return rank - self.rem
+
     def real(self, vrank: int) -> int:
         return 2 * vrank + 1 if vrank < self.rem else vrank + self.rem
 
@@ -69,6 +75,52 @@ def doubling_all_gather(t: Transport, fold: _Fold, buf, blocks) -> None:
         mask <<= 1
 
 
+def binomial_gather_blocks(t: Transport, fold: _Fold, buf, blocks, vroot: int) -> None:
+    """In place on the virtual group: each holds ``buf[blocks[vrank]]``; afterwards ``vroot`` holds every block.
+
+    A binomial tree over ``vrank ^ vroot``: in round ``mask`` a rank whose relative index has that bit set
+    sends the aligned range of ``mask`` blocks it has gathered to ``vrank ^ mask`` and stops.
+    """
+    vrank, mask = fold.vrank, 1
+    while mask < fold.p2:
+        partner = vrank ^ mask
+        if (vrank ^ vroot) & mask:
+            lo = vrank & ~(mask - 1)
+            t.send(buf[_span(blocks, lo, lo + mask)], fold.real(partner))
+            return
+        lo = partner & ~(mask - 1)
+        t.recv(buf[_span(blocks, lo, lo + mask)], fold.real(partner))
+        mask <<= 1
+
+
+def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
+    """Rabenseifner's reduce: recursive-halving reduce-scatter, then a binomial gather of the reduced blocks
+    to ``root`` (``recvbuf`` may be None elsewhere). Moves 2(p-1)/p of the vector per rank instead of the
+    tree's log p whole vectors, so it wins for large messages."""
+    fold = _Fold(t.size, t.rank)
+    work = t.scratch("rhd.work", sendbuf.size, sendbuf.dtype, like=sendbuf)
+    work[...] = sendbuf
+    vroot = fold.virtual(root)
+    if fold.vrank is None:  # even rank of a folded pair: hand the data over (and, as root, get the result)
+        t.send(work, t.rank + 1)
+        if t.rank == root:
+            t.recv(recvbuf, t.rank + 1)
+        return
+    if t.rank < 2 * fold.rem:
+        incoming = t.scratch("rhd.fold", work.size, work.dtype, like=work)
+        t.recv(incoming, t.rank - 1)
+        op(work, incoming, out=work)
+    blocks = chunk_bounds(work.size, fold.p2)
+    halving_reduce_scatter(t, fold, work, op, blocks)
+    op.finish(work[slice(*blocks[fold.vrank])])
+    binomial_gather_blocks(t, fold, work, blocks, vroot)
+    if fold.vrank == vroot:
+        if t.rank == root:
+            recvbuf[...] = work
+        else:
+            t.send(work, root)
+
+
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
     fold = _Fold(t.size, t.rank)
     if fold.vrank is None:  # even rank of a folded pair: hand the data over, get the result back
@@ -93,6 +145,7 @@ def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
     if fold.vrank is None:
         t.send(sendbuf, t.rank + 1)
         t.recv(recvbuf, t.rank + 1)
+        op.finish(recvbuf)
         return
     work = t.scratch("rhd.work", sendbuf.size, sendbuf.dtype, like=sendbuf)
     work[...] = sendbuf
@@ -104,6 +157,7 @@ def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
     if t.rank < 2 * fold.rem:
         t.send(work[slice(*bounds[t.rank - 1])], t.rank - 1)
     recvbuf[...] = work[slice(*bounds[t.rank])]
+    op.finish(recvbuf)
 
 
 def all_gather(t: Transport, sendbuf, recvbuf) -> None:

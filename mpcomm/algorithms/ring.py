@@ -60,6 +60,7 @@ def allreduce(t: Transport, buf, op: ReduceOp, reduce_scatter=reduce_scatter_chu
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
     reduce_scatter_chunks(t, sendbuf, recvbuf, op, equal_bounds(recvbuf.size, t.size))
+    op.finish(recvbuf)
 
 
 def all_gather(t: Transport, sendbuf, recvbuf) -> None:

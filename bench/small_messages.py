@@ -1,0 +1,131 @@
+"""Small messages: mpcomm's per-call cost against raw mpi4py, measured in one job.
+
+``mpiexec -n P python bench/small_messages.py [--calls 3000] [--rounds 7] [--json FILE]``
+
+For each size (8 B .. 4 KiB) and each contender — raw ``MPI.Comm.Allreduce``, raw ``Iallreduce`` + ``Test``
+loop (what a bounded wait costs in MPI alone), ``comm.allreduce`` with ``auto``/``native``/``tree`` — times a
+loop of ``--calls`` calls after a barrier, round-robin over the contenders, ``--rounds`` times (so load drift
+hits all alike); a loop's time is the maximum over ranks. Reports the median loop (and min/max as the spread)
+in microseconds per call, and each contender's ratio to raw ``Allreduce`` of the same size in the same run.
+Point to point: a ping-pong between ranks 0 and 1 (``send`` then ``recv``, the partner the reverse), raw
+``Send``/``Recv`` against ``comm.send``/``comm.recv``; microseconds per round trip.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpcomm import Communicator
+
+SIZES = [8, 64, 512, 4096]
+
+
+def allreduce_contenders(comm: Communicator, buf: np.ndarray) -> dict:
+    world = comm.mpi
+
+    def iallreduce_test():
+        request = world.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
+        while not request.Test():
+            pass
+
+    return {
+        "raw Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
+        "raw Iallreduce+Test": iallreduce_test,
+        "mpcomm auto": lambda: comm.allreduce(buf),
+        "mpcomm native": lambda: comm.allreduce(buf, algorithm="native"),
+        "mpcomm tree": lambda: comm.allreduce(buf, algorithm="tree"),
+    }
+
+
+def pingpong_contenders(comm: Communicator, buf: np.ndarray) -> dict:
+    world, rank = comm.mpi, comm.rank
+    out = np.empty_like(buf)
+    partner = {0: 1, 1: 0}.get(rank)
+
+    def raw():
+        if rank == 0:
+            world.Send(buf, 1, 0)
+            world.Recv(out, 1, 0)
+        elif rank == 1:
+            world.Recv(out, 0, 0)
+            world.Send(buf, 0, 0)
+
+    def mpcomm_pingpong():
+        if rank == 0:
+            comm.send(buf, partner)
+            comm.recv(out, partner)
+        elif rank == 1:
+            comm.recv(out, partner)
+            comm.send(buf, partner)
+
+    return {"raw Send/Recv": raw, "mpcomm send/recv": mpcomm_pingpong}
+
+
+def time_loop(world: MPI.Comm, call, calls: int) -> float:
+    """Microseconds per call of a loop of ``calls`` calls, the maximum over ranks."""
+    world.Barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    per_call = (time.perf_counter() - start) / calls * 1e6
+    return world.allreduce(per_call, op=MPI.MAX)
+
+
+def measure(world: MPI.Comm, contenders: dict, calls: int, rounds: int) -> dict[str, list[float]]:
+    for call in contenders.values():  # warm-up: plans, caches, MPI's own lazy set-up
+        for _ in range(min(200, calls)):
+            call()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order each round
+            times[name].append(time_loop(world, contenders[name], calls))
+    return times
+
+
+def summarize(times: dict[str, list[float]], reference: str) -> list[dict]:
+    base = float(np.median(times[reference]))
+    return [{"contender": name, "median_us": float(np.median(t)), "min_us": min(t), "max_us": max(t),
+             "ratio": float(np.median(t)) / base} for name, t in times.items()]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=3000, help="calls per timed loop")
+    parser.add_argument("--rounds", type=int, default=7, help="round-robin rounds per size")
+    parser.add_argument("--json", help="write the rows here (rank 0)")
+    args = parser.parse_args(argv)
+    comm = Communicator(MPI.COMM_WORLD)
+    world, rows = comm.mpi, []
+    for nbytes in SIZES:
+        buf = np.ones(nbytes // 4, np.float32)
+        for row in summarize(measure(world, allreduce_contenders(comm, buf), args.calls, args.rounds),
+                             "raw Allreduce"):
+            rows.append({"test": "allreduce", "bytes": nbytes, **row})
+    if comm.size >= 2:
+        for nbytes in (8, 4096):
+            buf = np.ones(nbytes // 4, np.float32)
+            times = measure(world, pingpong_contenders(comm, buf), args.calls, args.rounds)
+            for row in summarize(times, "raw Send/Recv"):
+                rows.append({"test": "pingpong", "bytes": nbytes, **row})
+    if comm.rank == 0:
+        print(f"{comm.size} ranks, {args.calls} calls per loop, {args.rounds} rounds; us per call "
+              "(ping-pong: per round trip), median [min-max] of the rounds, ratio to raw in the same run")
+        print(f"{'test':10} {'bytes':>6} {'contender':22} {'median':>8} {'spread':>17} {'x raw':>6}")
+        for row in rows:
+            spread = f"[{row['min_us']:.2f}-{row['max_us']:.2f}]"
+            print(f"{row['test']:10} {row['bytes']:6d} {row['contender']:22} {row['median_us']:8.2f} {spread:>17} "
+                  f"{row['ratio']:6.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": comm.size, "calls": args.calls, "rounds": args.rounds, "rows": rows}, f, indent=1)
+    comm.free()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

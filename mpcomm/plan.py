@@ -1,0 +1,81 @@
+"""A Plan: what one kind of collective call was decided to be, worked out once and reused.
+
+Everything that depends only on (operation, dtype, shape, op, algorithm, root) — the algorithm function,
+the reduction, the byte count, the label of its error messages, its signature for ``validate=True`` — lives
+here, so a Communicator's repeated calls pay for the decisions once (see ``Communicator._plan``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from . import staging
+from .algorithms import REGISTRY
+from .buffers import ReduceOp, dtype_name
+
+
+class Plan:
+    """One kind of call: ``fn(transport, *buffers...)`` runs it; ``key`` is its (operation, algorithm) in stats()."""
+
+    __slots__ = ("operation", "algorithm", "fn", "rop", "nbytes", "wire", "direct", "key", "label", "signature",
+                 "_digest")
+
+    def __init__(self, operation: str, algorithm: str, array, rop: ReduceOp | None, root: int | None, nbytes: int,
+                 host: bool, wire: np.dtype):
+        self.operation, self.algorithm, self.rop, self.nbytes, self.wire = operation, algorithm, rop, nbytes, wire
+        self.direct = host and wire == array.dtype  # the buffer itself is the work array (no conversion)
+        if array.size == 0 and operation != "all_to_all_v":  # nothing to move (all_to_all_v: others may send)
+            self.fn = _nothing
+        elif host:
+            self.fn = REGISTRY[operation][algorithm]
+        else:  # device (or other) arrays: through the staging layer, which picks the transport per device
+            self.fn = lambda t, *args: staging.run(t, operation, algorithm, *args)
+        self.key = (operation, algorithm)
+        shape = None if operation == "all_to_all_v" else list(array.shape)  # v: sizes differ, counts are checked
+        self.signature = {"operation": operation, "dtype": dtype_name(array.dtype), "shape": shape,
+                          "op": None if rop is None else rop.name, "algorithm": algorithm, "root": root}
+        self.label = _Label(self)
+        self._digest = None
+
+    @classmethod
+    def barrier(cls) -> "Plan":
+        plan = cls.__new__(cls)
+        plan.operation = plan.algorithm = "barrier"
+        plan.fn, plan.rop, plan.nbytes, plan.wire, plan.direct = _barrier, None, 0, None, True
+        plan.key = ("barrier", "native")
+        plan.signature = {"operation": "barrier"}
+        plan.label, plan._digest = "barrier", None
+        return plan
+
+    @property
+    def digest(self) -> np.ndarray:
+        """16 bytes that stand for the whole signature (compared between ranks when validate=True)."""
+        if self._digest is None:
+            encoded = json.dumps(self.signature, sort_keys=True).encode()
+            self._digest = np.frombuffer(hashlib.blake2b(encoded, digest_size=16).digest(), dtype=np.uint8)
+        return self._digest
+
+
+class _Label:
+    """Names a call in error messages; formatted only when an error needs it (hot path)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+    def __str__(self) -> str:
+        plan, s = self.plan, self.plan.signature
+        root = "" if s["root"] is None else f" (root {s['root']})"
+        shape = "" if s["shape"] is None else f" of shape {tuple(s['shape'])}"
+        return f"{plan.operation}[{plan.algorithm}]{shape} {s['dtype']} ({plan.nbytes} B){root}"
+
+
+def _nothing(t, *args) -> None:
+    """The algorithm of a call with no data: all ranks still agree and count it."""
+
+
+def _barrier(t) -> None:
+    t.wait([t.mpi.Ibarrier()], t.others)

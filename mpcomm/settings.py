@@ -1,0 +1,124 @@
+"""A Communicator's settings: its arguments, else the ``MPCOMM_*`` environment variables, each checked, with the
+argument or variable named in every error.
+
+Settings are read on every rank separately, and a rank may see another environment than its peers, so the
+Communicator agrees on them before anything else (:func:`agree`): a bad value on one rank, or ranks that
+disagree, raise ``ConfigError`` on every rank at once, instead of one rank failing while the others wait.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import numpy as np
+
+from .errors import ConfigError
+
+DEFAULT_TIMEOUT = 30.0
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+PROGRESS_MODES = ("thread", "wait")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every rank of a Communicator must agree on."""
+
+    timeout: float = DEFAULT_TIMEOUT
+    validate: bool = False
+    ranks_per_node: int | None = None
+    progress: str = "thread"  # non-blocking collectives: on a progress thread, or run inside wait()
+
+    @classmethod
+    def resolve(cls, timeout=None, validate=None, ranks_per_node=None) -> "Settings":
+        """The settings for these constructor arguments (None: from the environment); ConfigError if invalid."""
+        return cls(
+            timeout=_timeout(timeout, "timeout") if timeout is not None else _env_timeout(),
+            validate=_flag(validate, "validate") if validate is not None else _env_flag("MPCOMM_VALIDATE"),
+            ranks_per_node=(_positive_int(ranks_per_node, "ranks_per_node") if ranks_per_node is not None
+                            else _env_positive_int("MPCOMM_RANKS_PER_NODE", "ranks_per_node")),
+            progress=_env_choice("MPCOMM_PROGRESS", PROGRESS_MODES, default="thread"),
+        )
+
+
+def agree(transport, settings: Settings | None, problem: str | None) -> None:
+    """Collective: every rank's ``settings`` (or the ``problem`` that kept it from having any) on every rank;
+    ConfigError everywhere if any rank had a problem or the ranks disagree. Bounded by ``transport``'s deadline."""
+    everyone = transport.allgather_object((problem, settings))
+    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(everyone) if p]
+    if problems:
+        raise ConfigError(f"Communicator: bad settings — {'; '.join(problems)}")
+    differing = [name for name in Settings.__dataclass_fields__
+                 if len({getattr(s, name) for _, s in everyone}) > 1]
+    if differing:
+        described = "; ".join(f"{name}: " + ", ".join(f"rank {r} {getattr(s, name)!r}" for r, (_, s) in
+                                                       enumerate(everyone)) for name in differing)
+        raise ConfigError(f"Communicator: the ranks must agree on {', '.join(differing)} — {described}")
+
+
+# ------------------------------------------------------------------------------------------ values
+def _timeout(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _flag(value, name: str) -> bool:
+    if isinstance(value, (bool, np.bool_, Integral)) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value!r} (an int, or None; not {type(value).__name__})"
+                          if not isinstance(value, Integral) or isinstance(value, bool)
+                          else f"{name} must be >= 1, got {value!r}")
+    return int(value)
+
+
+# ------------------------------------------------------------------------------------------ environment
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None else value.strip()
+
+
+def _env_timeout() -> float:
+    value = _env("MPCOMM_TIMEOUT")
+    if not value:
+        return DEFAULT_TIMEOUT
+    try:
+        return _timeout(float(value), "MPCOMM_TIMEOUT")
+    except (ValueError, ConfigError):
+        raise ConfigError(f"MPCOMM_TIMEOUT={value!r}: expected a finite number of seconds > 0") from None
+
+
+def _env_flag(name: str) -> bool:
+    value = (_env(name) or "").lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={os.environ[name]!r}: expected one of {', '.join(_TRUE + _FALSE[1:])}")
+
+
+def _env_positive_int(name: str, what: str) -> int | None:
+    value = _env(name)
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected an int >= 1 ({what})") from None
+    if number < 1:
+        raise ConfigError(f"{name}={value!r}: {what} must be >= 1, got {number}")
+    return number
+
+
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    value = (_env(name) or default).lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)}")
+    return value
