@@ -1,34 +1,70 @@
 #!/usr/bin/env bash
-# The all-reduce sweep on simulated clusters (ci/cluster.sh), with the link-bound column: for each shape, the
-# payload rate of one node's link (bench/cluster_link.py, raw mpi4py), then mpcomm-bench over every algorithm
-# + native + auto (no tune(): auto decides from its cost model and the network it measured), --check on.
-# bench/cluster_report.py turns the rows into bench/results/cluster_allreduce.md (auto vs best, best vs link).
+# Benchmarks on simulated clusters (ci/cluster.sh), written to bench/results/cluster.md with their commands:
+#  1. the payload rate of one node's link (bench/cluster_link.py, raw mpi4py, both directions at once);
+#  2. the all-reduce sweep: mpcomm-bench over every algorithm + native + auto (no tune(): auto decides from its
+#     cost model and the network its communicator measured), --check on; bench/cluster_report.py adds the
+#     link-bound column (the time the NIC alone needs for the 2(N-1)/N n bytes each node must send);
+#  3. auto's choice against the best, every algorithm timed call by call, interleaved (bench/cluster_auto_check.py);
+#  4. bytes per NIC of FSDP full_shard against hybrid_shard (bench/cluster_fsdp_bytes.py).
 #
-#   bench/cluster_sweep.sh                   # 2x2 and 4x1 at 1gbit
-#   SHAPES="2x2" RATE=1gbit bench/cluster_sweep.sh
-#   TAG=_quiet bench/cluster_sweep.sh        # another set of result files (cluster_allreduce_2x2_quiet.json, ...)
+#   bench/cluster_sweep.sh                   # 2x2 and 4x1 at 1gbit (~25 min on 2 cores)
+#   SHAPES="2x2" RATE=1gbit REPS=30 bench/cluster_sweep.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 RATE=${RATE:-1gbit}
 SHAPES=${SHAPES:-"2x2 4x1"}
-TAG=${TAG:-}
+REPS=${REPS:-20}
 PY=${PYTHON:-$PWD/.venv/bin/python}
 mkdir -p "$OUT"
-# Each point: >= 2 warm-up calls, then 3 round-robin rounds of blocks of at most 20 calls / 3 s of calls.
+# Each point: >= 2 warm-up calls, then 3 round-robin rounds of blocks of at most 20 calls / 1 s of calls.
 BENCH=(--op allreduce --algorithms ring,ring_pipelined,tree,rhd,hierarchical,native,auto -b 64K -e 64M -f 4
        -w 2 -n 20 --budget 3 --rounds 3 --dtype float32 --redop sum --check)
-inputs=()
+commands=() sweeps=() checks=() fsdp=()
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for shape in $SHAPES; do
-    nodes=${shape%x*} rpn=${shape#*x}
-    name=cluster_allreduce_${shape}${TAG}
-    cmd="ci/cluster.sh $nodes $rpn $RATE -- sh -c 'mpiexec -n $((nodes * rpn)) $PY bench/cluster_link.py --json $OUT/$name.link.json && mpiexec -n $((nodes * rpn)) $PY -m mpcomm.bench ${BENCH[*]} --json $OUT/$name.json'"
-    echo "+ $cmd" >&2
-    load_before=$(cut -d' ' -f1-3 /proc/loadavg)
-    timeout 3000 bash -c "$cmd" | tee "$OUT/$name.txt"
-    load_after=$(cut -d' ' -f1-3 /proc/loadavg)
-    printf '# command: %s\n# load average (1/5/15 min) before: %s, after: %s; %s cores\n' "$cmd" "$load_before" \
-        "$load_after" "$(nproc)" >> "$OUT/$name.txt"
-    inputs+=("$OUT/$name.json")
+    nodes=${shape%x*} rpn=${shape#*x} p=$((${shape%x*} * ${shape#*x}))
+    name=cluster_allreduce_$shape
+    run=(ci/cluster.sh "$nodes" "$rpn" "$RATE" --)
+    steps=(
+        "mpiexec -n $p $PY bench/cluster_link.py --json $OUT/$name.link.json"
+        "mpiexec -n $p $PY -m mpcomm.bench ${BENCH[*]} --json $OUT/$name.json | tee $OUT/$name.txt"
+        "mpiexec -n $p $PY bench/cluster_auto_check.py --reps $REPS --out $OUT/cluster_auto_check_$shape.md"
+        "mpiexec -n $p $PY bench/cluster_fsdp_bytes.py --out $OUT/cluster_fsdp_bytes_$shape.md"
+    )
+    for step in "${steps[@]}"; do
+        commands+=("timeout 3000 ${run[*]} bash -o pipefail -c '$step'")
+        echo "+ ${commands[-1]}" >&2
+        timeout 3000 "${run[@]}" bash -o pipefail -c "$step"
+    done
+    sweeps+=("$OUT/$name.json") checks+=("$OUT/cluster_auto_check_$shape.md") fsdp+=("$OUT/cluster_fsdp_bytes_$shape.md")
 done
-"$PY" bench/cluster_report.py "${inputs[@]}"
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+
+{
+    echo "# mpcomm on a simulated cluster (ci/cluster.sh)"
+    echo
+    echo "Reproduce with \`bench/cluster_sweep.sh\` (repository root). Generated $(date -u '+%Y-%m-%d %H:%M UTC') on"
+    echo "$(nproc) cores ($(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)), $(uname -sr); links $RATE."
+    echo "**Taken while other jobs shared the machine**: load average (1/5/15 min) before: $load_before, after:"
+    echo "$load_after, on $(nproc) cores. Every rank of every node runs on these cores, and the"
+    echo "all-reduce of a few hundred KiB, which takes well under a millisecond of CPU, here waits milliseconds for"
+    echo "the scheduler at each of its steps: the small sizes measure the load, not the algorithms (the same"
+    echo "algorithm timed twice in one run differs by up to 2x there). Repeat on a quiet machine for the record."
+    echo
+    echo "Commands:"
+    echo
+    echo '```'
+    printf '%s\n' "${commands[@]}"
+    echo '```'
+    echo
+    echo "## All-reduce sweeps (mpcomm-bench), link bound"
+    echo
+    "$PY" bench/cluster_report.py "${sweeps[@]}"
+    echo "## auto's choice against the best (interleaved calls, min / median)"
+    for f in "${checks[@]}"; do echo; echo "### $(basename "$f" .md)"; echo; cat "$f"; done
+    echo
+    echo "## FSDP: bytes per NIC, full_shard against hybrid_shard"
+    for f in "${fsdp[@]}"; do echo; echo "### $(basename "$f" .md)"; echo; cat "$f"; done
+} > "$OUT/cluster.md"
+echo "wrote $OUT/cluster.md" >&2

@@ -39,7 +39,7 @@ RUN=/run/mpcomm-cluster           # inside the private mount namespace only (a p
 SUBNET=10.77.0
 
 usage() {
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2
+    echo "usage: ci/cluster.sh NODES RANKS_PER_NODE RATE -- COMMAND [ARGS...]  (or --probe; see the top of $0)" >&2
     exit 2
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make test-cluster`: the multi-node tests on ci/cluster.sh's simulated clusters of 2 nodes x 2 ranks and
-# 4 nodes x 1 rank, links shaped to $CLUSTER_RATE (default 1gbit). For each: the multi-rank tests under the
-# cluster's mpiexec (test_multinode.py), then the whole-job tests driven from node0 (test_jobs.py).
+# 4 nodes x 1 rank, links shaped to $CLUSTER_RATE (default 1gbit). First the script itself from the host
+# (test_cluster_script.py); then for each shape the multi-rank tests under the cluster's mpiexec
+# (test_multinode.py) and the whole-job tests driven from node0 (test_jobs.py).
 # Where namespaces cannot be made (no root, no user namespaces, no veth/bridge/tbf) it says why and skips.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,6 +12,8 @@ if ! reason=$(ci/cluster.sh --probe 2>&1); then
     echo "test-cluster: SKIPPED: this machine cannot build the simulated cluster: $reason"
     exit 0
 fi
+echo "== ci/cluster.sh itself (exit status, node names, shaping, teardown on every kind of ending)"
+MPCOMM_TEST_CLUSTER_SH=1 timeout 300 "$PY" -m pytest -q tests/cluster/test_cluster_script.py
 for shape in "2 2" "4 1"; do
     read -r nodes rpn <<< "$shape"
     echo "== simulated cluster: $nodes nodes x $rpn ranks, links $RATE"
