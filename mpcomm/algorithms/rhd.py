@@ -75,6 +75,16 @@ def doubling_all_gather(t: Transport, fold: _Fold, buf, blocks) -> None:
         mask <<= 1
 
 
+def fold_and_halve(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks) -> None:
+    """The odd rank of a folded pair adds its partner's vector in, then the virtual group reduce-scatters by
+    recursive halving: afterwards ``buf[blocks[vrank]]`` is fully reduced (not yet finished)."""
+    if t.rank < 2 * fold.rem:
+        incoming = t.scratch("rhd.fold", buf.size, buf.dtype, like=buf)
+        t.recv(incoming, t.rank - 1)
+        op(buf, incoming, out=buf)
+    halving_reduce_scatter(t, fold, buf, op, blocks)
+
+
 def binomial_gather_blocks(t: Transport, fold: _Fold, buf, blocks, vroot: int) -> None:
     """In place on the virtual group: each holds ``buf[blocks[vrank]]``; afterwards ``vroot`` holds every block.
 
@@ -106,12 +116,8 @@ def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
         if t.rank == root:
             t.recv(recvbuf, t.rank + 1)
         return
-    if t.rank < 2 * fold.rem:
-        incoming = t.scratch("rhd.fold", work.size, work.dtype, like=work)
-        t.recv(incoming, t.rank - 1)
-        op(work, incoming, out=work)
     blocks = chunk_bounds(work.size, fold.p2)
-    halving_reduce_scatter(t, fold, work, op, blocks)
+    fold_and_halve(t, fold, work, op, blocks)
     op.finish(work[slice(*blocks[fold.vrank])])
     binomial_gather_blocks(t, fold, work, blocks, vroot)
     if fold.vrank == vroot:
@@ -127,12 +133,8 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         t.send(buf, t.rank + 1)
         t.recv(buf, t.rank + 1)
         return
-    if t.rank < 2 * fold.rem:
-        incoming = t.scratch("rhd.fold", buf.size, buf.dtype, like=buf)
-        t.recv(incoming, t.rank - 1)
-        op(buf, incoming, out=buf)
     blocks = chunk_bounds(buf.size, fold.p2)
-    halving_reduce_scatter(t, fold, buf, op, blocks)
+    fold_and_halve(t, fold, buf, op, blocks)
     op.finish(buf[slice(*blocks[fold.vrank])])
     doubling_all_gather(t, fold, buf, blocks)
     if t.rank < 2 * fold.rem:
@@ -149,11 +151,7 @@ def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
         return
     work = t.scratch("rhd.work", sendbuf.size, sendbuf.dtype, like=sendbuf)
     work[...] = sendbuf
-    if t.rank < 2 * fold.rem:
-        incoming = t.scratch("rhd.fold", sendbuf.size, sendbuf.dtype, like=sendbuf)
-        t.recv(incoming, t.rank - 1)
-        op(work, incoming, out=work)
-    halving_reduce_scatter(t, fold, work, op, fold.blocks(bounds))
+    fold_and_halve(t, fold, work, op, fold.blocks(bounds))
     if t.rank < 2 * fold.rem:
         t.send(work[slice(*bounds[t.rank - 1])], t.rank - 1)
     recvbuf[...] = work[slice(*bounds[t.rank])]
