@@ -4,7 +4,7 @@ The all-reduce algorithms differ mainly in how many bytes each node's NIC carrie
 1.5 n, rhd 2 n, hierarchical n), and in how many messages cross it; whether that matters depends on the
 network's latency and bandwidth, which range from ~1 Gb/s Ethernet to 400 Gb/s fabrics. So ``auto`` measures
 them instead of assuming: the first rank of each node (its leader) exchanges messages with one other leader
-(nodes 2i and 2i+1, every pair at once), both directions at the same time as the algorithms do:
+(hosts 2i and 2i+1, every pair at once), both directions at the same time as the algorithms do:
 
 - latency: the fastest of a few 8-byte round trips, halved;
 - bandwidth: back-to-back exchanges of a message, starting at 256 KiB and growing 4x until one takes
@@ -14,11 +14,13 @@ them instead of assuming: the first rank of each node (its leader) exchanges mes
 
 The slowest pair decides (a collective is as slow as its slowest link); the numbers are combined with one
 MAX all-reduce over the whole communicator, so every rank holds identical values and builds the same model.
-Every wait is bounded by the communicator's deadline (``Transport.wait``): a node that never answers is a
-``CommTimeoutError``, not a hang. At 1 Gb/s the probe takes ~10 ms; nothing is measured on a single host.
+Hosts are told apart by processor name (one all-gather). Every wait is bounded by the communicator's deadline
+(``Transport.wait``) and no communicator is created: a node that never answers is a ``CommTimeoutError``, not a
+hang. At 1 Gb/s the probe takes ~10 ms on a quiet machine; on a single host nothing is measured.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -54,24 +56,39 @@ class NetworkMeasurement:
                 f"probe took {self.seconds * 1e3:.1f} ms")
 
 
-def measure(t: Transport) -> NetworkMeasurement:
-    """Measure the links between the nodes of ``t``'s communicator (collective; needs at least 2 nodes)."""
+def measure(t: Transport, host: int | None = None) -> NetworkMeasurement | None:
+    """Measure the links between the hosts of ``t``'s communicator; None when all its ranks share one host.
+
+    Collective, and only deadline-bounded Transport calls (no communicator is created). ``host`` names this
+    rank's host (default: a hash of ``MPI.Get_processor_name()``); the tests pass rank-made names to probe on
+    one machine.
+    """
     start = time.perf_counter()
-    mine = np.full(4, -1.0)  # latency, seconds per byte, probe bytes, elapsed; -1: this rank measured nothing
-    with t.running("network probe"), t.node.running("network probe"), t.cross.running("network probe"):
-        if t.node.rank == 0:
-            cross = t.cross
-            partner = cross.rank ^ 1
-            if partner < cross.size:
-                latency = _latency(cross, partner)
-                seconds_per_byte, nbytes = _bandwidth(cross, partner, latency)
+    if host is None:
+        host = host_key()
+    keys = np.empty(t.size, dtype=np.int64)
+    with t.running("network probe"):
+        t.wait([t.mpi.Iallgather(np.array([host], dtype=np.int64), keys)], peers=t.others)
+        leaders = [r for r in range(t.size) if keys[r] not in keys[:r]]  # each host's lowest rank, in rank order
+        if len(leaders) < 2:
+            return None
+        mine = np.full(4, -1.0)  # latency, seconds per byte, probe bytes, elapsed; -1: this rank measured nothing
+        if t.rank in leaders:
+            index = leaders.index(t.rank)
+            if index ^ 1 < len(leaders):  # hosts 2i and 2i+1 pair up; an odd last one sits out
+                partner = leaders[index ^ 1]
+                latency = _latency(t, partner)
+                seconds_per_byte, nbytes = _bandwidth(t, partner, latency)
                 mine[:3] = latency, seconds_per_byte, nbytes
         mine[3] = time.perf_counter() - start
         everyone = np.empty_like(mine)
         t.wait([t.mpi.Iallreduce(mine, everyone, MPI.MAX)], peers=t.others)
-    if everyone[0] < 0:
-        raise ValueError(f"network probe: the communicator of {t.size} ranks has a single node; nothing to measure")
     return NetworkMeasurement(float(everyone[0]), float(everyone[1]), int(everyone[2]), float(everyone[3]))
+
+
+def host_key() -> int:
+    """This process's host as a number: a hash of its processor name (distinct per node, also in ci/cluster.sh)."""
+    return int.from_bytes(hashlib.sha256(MPI.Get_processor_name().encode()).digest()[:7], "little")
 
 
 def _latency(t: Transport, partner: int) -> float:

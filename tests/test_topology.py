@@ -68,34 +68,30 @@ def test_one_host_pays_for_no_probe():
 
 @pytest.mark.mpi(min_size=2)
 def test_probe_measures_and_every_rank_agrees():
-    comm = Communicator(WORLD, ranks_per_node=1)  # every rank a "node": the probe pairs them 0-1, 2-3, ...
-    network = measure(comm._sync)
-    assert network.latency > 0 and network.seconds_per_byte > 0 and network.seconds > 0
-    assert network.probe_bytes >= 256 << 10
-    assert_identical_across_ranks(np.array([network.latency, network.seconds_per_byte, network.probe_bytes,
-                                            network.seconds]), "network measurement")
-    comm.free()
-
-
-@pytest.mark.mpi
-def test_probe_of_a_single_node_is_an_error_on_every_rank():
-    comm = Communicator(WORLD, ranks_per_node=P)
-    with pytest.raises(ValueError, match="single node"):
-        measure(comm._sync)
+    comm = Communicator(WORLD)
+    network = measure(comm._sync, host=comm.rank // 2)  # pretend hosts of 2 ranks: leaders 0-2, ... exchange
+    if P <= 2:
+        assert network is None
+    else:
+        assert network.latency > 0 and network.seconds_per_byte > 0 and network.seconds > 0
+        assert network.probe_bytes >= 256 << 10
+        assert_identical_across_ranks(np.array([network.latency, network.seconds_per_byte, network.probe_bytes,
+                                                network.seconds]), "network measurement")
+    assert measure(comm._sync) is None  # by processor name: one host
     comm.free()
 
 
 @pytest.mark.mpi(min_size=2)
 def test_probe_with_a_silent_partner_times_out():
     """Rank 1 never joins the probe: every other rank raises CommTimeoutError within timeout + 5 s."""
-    comm = Communicator(WORLD, ranks_per_node=1, timeout=1.0)
+    comm = Communicator(WORLD, timeout=1.0)
 
     def run():
         if comm.rank == 1:
             return None
         start = time.monotonic()
         try:
-            measure(comm._sync)
+            measure(comm._sync, host=comm.rank)
         except CommTimeoutError as exc:
             return "network probe" in str(exc), time.monotonic() - start
         return "completed without rank 1"

@@ -15,14 +15,12 @@ replaces them by measured choices.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import warnings
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import topology
 
@@ -140,7 +138,10 @@ class CostModel:
         """Recursive halving + doubling over the largest power of two, with the fold for the remainder."""
         p, q = layout.size, layout.ranks_per_node
         p2 = 1 << (p.bit_length() - 1)
-        total = 0.0 if p2 == p else 2 * (alpha + n * self.beta) + n * self.gamma
+        total = 0.0
+        if p2 != p:  # the fold pairs ranks 2i, 2i+1: some pair straddles two nodes when a node's rank count is odd
+            a, b = self._link(layout.num_nodes > 1 and q % 2 == 1, alpha)
+            total = 2 * (a + n * b) + n * self.gamma
         distance, part = p2 // 2, n / 2
         while distance >= 1:  # halving round at this distance exchanges `part` bytes; doubling mirrors it
             crosses = layout.num_nodes > 1 and distance >= q
@@ -270,9 +271,10 @@ class Selector:
 
         layout, model, network = Layout.of(comm), CostModel(), None
         probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
-        if layout.num_nodes > 1 and probe and _spans_hosts(comm._sync):
-            network = topology.measure(comm._sync)
-            model = model.with_network(network)
+        if layout.num_nodes > 1 and probe:
+            network = topology.measure(comm._sync)  # None when the "nodes" are ranks_per_node blocks of one host
+            if network is not None:
+                model = model.with_network(network)
         return cls(layout=layout, candidates={op: tuple(algs) for op, algs in REGISTRY.items()}, model=model,
                    network=network)
 
@@ -330,17 +332,6 @@ class Selector:
         where = np.log2(max(nbytes, 1))
         nearest = min(range(len(entry["sizes"])), key=lambda i: abs(np.log2(entry["sizes"][i]) - where))
         return entry["best"][nearest]
-
-
-def _spans_hosts(t) -> bool:
-    """Whether the ranks of transport ``t`` run on more than one host (by processor name; collective, with
-    the deadline). Nodes simulated with ``ranks_per_node`` on one host share its memory: no network to measure."""
-    digest = hashlib.sha256(MPI.Get_processor_name().encode()).digest()
-    name = int.from_bytes(digest[:7], "little")
-    mine, extremes = np.array([name, -name], dtype=np.int64), np.empty(2, dtype=np.int64)
-    with t.running("network probe"):
-        t.wait([t.mpi.Iallreduce(mine, extremes, MPI.MAX)], peers=t.others)
-    return bool(extremes[0] != -extremes[1])
 
 
 # ------------------------------------------------------------------ the model's predictions, for the README
