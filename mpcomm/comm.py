@@ -189,82 +189,86 @@ class Communicator:
     # ------------------------------------------------------------------ collectives
     def allreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto") -> Any:
         """Reduce ``buf`` over all ranks, in place; returns ``buf``."""
-        self._allreduce(self._sync, buf, op, algorithm)
+        try:
+            self._allreduce(self._sync, buf, op, algorithm)
+        except (TypeError, ValueError) as exc:
+            self._rejected(self._sync, "allreduce", exc)
         return buf
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: str = SUM, algorithm: str = "auto") -> Any:
         """``recvbuf`` <- chunk ``rank`` of the reduction of ``sendbuf`` (``sendbuf.size == size * recvbuf.size``)."""
-        return self._reduce_scatter(self._sync, sendbuf, recvbuf, op, algorithm)
+        return self._checked(self._reduce_scatter, "reduce_scatter", sendbuf, recvbuf, op, algorithm)
 
     def all_gather(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Any:
         """``recvbuf`` <- every rank's ``sendbuf`` in rank order (``recvbuf.size == size * sendbuf.size``)."""
-        return self._all_gather(self._sync, sendbuf, recvbuf, algorithm)
+        return self._checked(self._all_gather, "all_gather", sendbuf, recvbuf, algorithm)
 
     def broadcast(self, buf: Any, root: int = 0, algorithm: str = "auto") -> Any:
         """Copy ``buf`` from ``root`` to every rank, in place; returns ``buf``."""
-        return self._broadcast(self._sync, buf, root, algorithm)
+        return self._checked(self._broadcast, "broadcast", buf, root, algorithm)
 
     def reduce(self, sendbuf: Any, recvbuf: Any = None, op: str = SUM, root: int = 0, algorithm: str = "auto") -> Any:
         """``recvbuf`` on ``root`` <- the reduction of every rank's ``sendbuf`` (``recvbuf`` may be None elsewhere;
         ``recvbuf`` may be ``sendbuf`` itself for an in-place reduce); returns ``recvbuf``."""
-        return self._reduce(self._sync, sendbuf, recvbuf, op, root, algorithm)
+        return self._checked(self._reduce, "reduce", sendbuf, recvbuf, op, root, algorithm)
 
     def gather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, algorithm: str = "auto") -> Any:
         """``recvbuf`` on ``root`` <- every rank's ``sendbuf`` in rank order (``recvbuf.size == size * sendbuf.size``
         on the root; may be None elsewhere); returns ``recvbuf``."""
-        return self._gather(self._sync, sendbuf, recvbuf, root, algorithm)
+        return self._checked(self._gather, "gather", sendbuf, recvbuf, root, algorithm)
 
     def scatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, algorithm: str = "auto") -> Any:
         """``recvbuf`` <- block ``rank`` of ``sendbuf`` on ``root`` (``sendbuf.size == size * recvbuf.size`` on the
         root; may be None elsewhere); returns ``recvbuf``."""
-        return self._scatter(self._sync, sendbuf, recvbuf, root, algorithm)
+        return self._checked(self._scatter, "scatter", sendbuf, recvbuf, root, algorithm)
 
     def all_to_all(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Any:
         """Block j of ``sendbuf`` goes to rank j; block i of ``recvbuf`` comes from rank i (equal blocks:
         ``sendbuf.size == recvbuf.size``, a multiple of the communicator size); returns ``recvbuf``."""
-        return self._all_to_all(self._sync, sendbuf, recvbuf, algorithm)
+        return self._checked(self._all_to_all, "all_to_all", sendbuf, recvbuf, algorithm)
 
     def all_to_all_v(self, sendbuf: Any, send_counts: Sequence[int], recvbuf: Any, recv_counts: Sequence[int],
                      algorithm: str = "auto") -> Any:
         """Rank j gets ``send_counts[j]`` elements of ``sendbuf`` (consecutive blocks in rank order); block i of
         ``recvbuf`` holds ``recv_counts[i]`` elements from rank i. Zeros are allowed; returns ``recvbuf``."""
-        return self._all_to_all_v(self._sync, sendbuf, send_counts, recvbuf, recv_counts, algorithm)
+        return self._checked(self._all_to_all_v, "all_to_all_v", sendbuf, send_counts, recvbuf, recv_counts,
+                             algorithm)
 
     # ------------------------------------------------------------------ non-blocking collectives
     # Each starts the blocking form's body on the progress thread; ``wait()`` returns what the blocking form
     # returns, and raises what it raises (argument errors included).
     def iallreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto") -> Work:
         """Start an all-reduce on the progress thread; ``wait()`` returns ``buf``."""
-        return self._submit("allreduce", lambda t: self._allreduce(t, buf, op, algorithm) or buf)
+        return self._submit("allreduce", self._allreduce_returning, buf, op, algorithm)
 
     def ireduce_scatter(self, sendbuf: Any, recvbuf: Any, op: str = SUM, algorithm: str = "auto") -> Work:
-        return self._submit("reduce_scatter", lambda t: self._reduce_scatter(t, sendbuf, recvbuf, op, algorithm))
+        return self._submit("reduce_scatter", self._reduce_scatter, sendbuf, recvbuf, op, algorithm)
 
     def iall_gather(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Work:
-        return self._submit("all_gather", lambda t: self._all_gather(t, sendbuf, recvbuf, algorithm))
+        return self._submit("all_gather", self._all_gather, sendbuf, recvbuf, algorithm)
 
     def ibroadcast(self, buf: Any, root: int = 0, algorithm: str = "auto") -> Work:
-        return self._submit("broadcast", lambda t: self._broadcast(t, buf, root, algorithm))
+        return self._submit("broadcast", self._broadcast, buf, root, algorithm)
 
     def ireduce(self, sendbuf: Any, recvbuf: Any = None, op: str = SUM, root: int = 0, algorithm: str = "auto") -> Work:
-        return self._submit("reduce", lambda t: self._reduce(t, sendbuf, recvbuf, op, root, algorithm))
+        return self._submit("reduce", self._reduce, sendbuf, recvbuf, op, root, algorithm)
 
     def igather(self, sendbuf: Any, recvbuf: Any = None, root: int = 0, algorithm: str = "auto") -> Work:
-        return self._submit("gather", lambda t: self._gather(t, sendbuf, recvbuf, root, algorithm))
+        return self._submit("gather", self._gather, sendbuf, recvbuf, root, algorithm)
 
     def iscatter(self, sendbuf: Any, recvbuf: Any, root: int = 0, algorithm: str = "auto") -> Work:
-        return self._submit("scatter", lambda t: self._scatter(t, sendbuf, recvbuf, root, algorithm))
+        return self._submit("scatter", self._scatter, sendbuf, recvbuf, root, algorithm)
 
     def iall_to_all(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Work:
-        return self._submit("all_to_all", lambda t: self._all_to_all(t, sendbuf, recvbuf, algorithm))
+        return self._submit("all_to_all", self._all_to_all, sendbuf, recvbuf, algorithm)
 
     def iall_to_all_v(self, sendbuf: Any, send_counts: Sequence[int], recvbuf: Any, recv_counts: Sequence[int],
                       algorithm: str = "auto") -> Work:
-        return self._submit("all_to_all_v", lambda t: self._all_to_all_v(t, sendbuf, send_counts, recvbuf,
-                                                                         recv_counts, algorithm))
+        return self._submit("all_to_all_v", self._all_to_all_v, sendbuf, send_counts, recvbuf, recv_counts,
+                            algorithm)
 
     def ibarrier(self) -> Work:
-        return self._submit("barrier", lambda t: self._run(t, _BARRIER))
+        return self._submit("barrier", self._run, _BARRIER)
 
     # ------------------------------------------------------------------ point to point
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
@@ -512,19 +516,47 @@ class Communicator:
         with self._sync.running(operation):
             return self._sync.bcast_object(obj, root=0)
 
-    def _submit(self, operation: str, body) -> Work:
-        """Queue a non-blocking collective: on the progress thread (one worker, so operations run in issue
-        order), or, when MPI cannot be called from two threads, to run inside ``wait()`` (progress on wait).
-        The body runs on the caller's current CUDA stream (device buffers: see ``mpcomm.staging``)."""
-        body = staging.on_stream(staging.caller_stream(), body)
+    def _submit(self, operation: str, body, *args) -> Work:
+        """Queue ``body(t, *args)`` (checked as the blocking form is: :meth:`_checked`): on the progress thread
+        (one worker, so operations run in issue order), or, when MPI cannot be called from two threads, to run
+        inside ``wait()`` (progress on wait). The body runs on the caller's current CUDA stream (device buffers:
+        see ``mpcomm.staging``)."""
+        def run(t):
+            return self._checked(body, operation, *args, t=t)
+
+        run = staging.on_stream(staging.caller_stream(), run)
         if self._executor is None and self._inline is None:
             if self._progress == "thread" and _progress_thread_allowed():
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mpcomm-progress-{self.rank}")
             else:
                 self._inline = _InlineProgress()
         if self._inline is not None:
-            return self._inline.submit(body, self._async)
-        return FutureWork(self._executor.submit(body, self._async), operation, self._others(), self.rank)
+            return self._inline.submit(run, self._async)
+        return FutureWork(self._executor.submit(run, self._async), operation, self._others(), self.rank)
+
+    def _checked(self, body, operation: str, *args, t: Transport | None = None):
+        """``body(t, *args)``; an argument error it raises first goes through :meth:`_rejected`."""
+        t = self._sync if t is None else t
+        try:
+            return body(t, *args)
+        except (TypeError, ValueError) as exc:
+            self._rejected(t, operation, exc)
+
+    def _rejected(self, t: Transport, operation: str, exc: Exception):
+        """Re-raise the argument error ``exc`` of this rank; with validate=True first show the others, who are
+        comparing calls, what was rejected (they raise CollectiveMismatchError naming it at once, rather than
+        wait for this rank until the timeout). Ranks that all rejected the same arguments agree, and each
+        raises its own error."""
+        if self.validate and self._unusable is None and not isinstance(exc, MpcommError):
+            try:
+                self._agree(t, Plan.rejected(operation, exc), None)
+            except MpcommError:
+                pass  # the others were told; this rank's own error is the one to raise
+        raise exc
+
+    def _allreduce_returning(self, t: Transport, buf, op, algorithm):
+        self._allreduce(t, buf, op, algorithm)
+        return buf
 
     def _drain_deferred(self) -> None:
         """Progress on wait: run the queued non-blocking collectives before a blocking one, so every rank

@@ -41,12 +41,22 @@ class Plan:
 
     @classmethod
     def barrier(cls) -> "Plan":
+        return cls._bare("barrier", {"operation": "barrier"}, _barrier)
+
+    @classmethod
+    def rejected(cls, operation: str, error: Exception) -> "Plan":
+        """What a rank whose arguments failed its own checks shows the others when they validate (it runs
+        nothing): they learn at once why it will not join, instead of waiting for it until the timeout."""
+        problem = f"{type(error).__name__}: {error}"
+        return cls._bare(operation, {"operation": operation, "rejected its arguments": problem}, _nothing)
+
+    @classmethod
+    def _bare(cls, operation: str, signature: dict, fn) -> "Plan":
         plan = cls.__new__(cls)
-        plan.operation = plan.algorithm = "barrier"
-        plan.fn, plan.rop, plan.nbytes, plan.wire, plan.direct = _barrier, None, 0, None, True
-        plan.key = ("barrier", "native")
-        plan.signature = {"operation": "barrier"}
-        plan.label, plan._digest = "barrier", None
+        plan.operation = plan.algorithm = operation
+        plan.fn, plan.rop, plan.nbytes, plan.wire, plan.direct = fn, None, 0, None, True
+        plan.key = (operation, "native")
+        plan.signature, plan.label, plan._digest = signature, operation, None
         return plan
 
     @property

@@ -210,6 +210,39 @@ def test_skipped_call_is_caught_at_the_next_different_call():
     assert all('"operation": "barrier"' in m and '"operation": "allreduce"' in m for m in messages), messages
 
 
+@pytest.mark.parametrize("operation", ["allreduce", "gather", "all_to_all_v", "iallreduce"])
+def test_validate_tells_the_others_why_one_rank_rejected_its_arguments(operation):
+    """validate=True: the last rank passes a dtype mpcomm does not support and raises TypeError; the others,
+    already comparing calls, raise CollectiveMismatchError naming that rank and its error at once — not a
+    CommTimeoutError after the timeout (30 s here)."""
+    if P < 2:
+        pytest.skip("needs a rank whose arguments are fine")
+    c = Communicator(WORLD, timeout=30.0, validate=True)
+    dtype = np.longdouble if RANK == P - 1 else np.float64
+    calls = {
+        "allreduce": lambda: c.allreduce(np.ones(4, dtype)),
+        "gather": lambda: c.gather(np.ones(4, dtype), np.ones(4 * P, dtype) if RANK == 0 else None),
+        "all_to_all_v": lambda: c.all_to_all_v(np.ones(P, dtype), [1] * P, np.ones(P, dtype), [1] * P),
+        "iallreduce": lambda: c.iallreduce(np.ones(4, dtype)).wait(),
+    }
+
+    def run():
+        start = time.monotonic()
+        with pytest.raises((TypeError, CollectiveMismatchError)) as info:
+            calls[operation]()
+        return type(info.value).__name__, str(info.value), time.monotonic() - start
+
+    try:
+        outcomes = run_gathered(run)
+    finally:
+        c.free()
+    assert outcomes[-1][0] == "TypeError" and "unsupported dtype" in outcomes[-1][1]
+    for kind, message, elapsed in outcomes[:-1]:
+        assert kind == "CollectiveMismatchError", message
+        assert f"rank {P - 1}:" in message and "rejected its arguments" in message and "unsupported dtype" in message
+        assert elapsed < 10
+
+
 def test_long_signatures_are_compared_whole():
     """Shapes of 64 dimensions that differ only in the last two: the whole signature is compared (a digest),
     not its first 256 bytes."""
