@@ -474,6 +474,8 @@ class Communicator:
     def _plan(self, operation: str, array, op, algorithm: str, root: int | None = None) -> Plan:
         """The cached plan for a call on ``array`` (its dtype and shape), or a new one after the local checks
         that do not depend on other ranks: dtype/op, algorithm name, root."""
+        if root is not None:  # before the cache: True == 1 and 0.0 == 0 as dict keys
+            self._check_rank(root, "root", operation)
         cacheable = type(array) is np.ndarray and type(op) in (str, type(None)) and type(algorithm) is str
         key = (operation, array.dtype, array.shape, op, algorithm, root) if cacheable else None
         plan = self._plans.get(key) if cacheable else None
@@ -487,8 +489,6 @@ class Communicator:
                 rop = rop.averaged(self.size)  # each algorithm divides where it finishes a sum, before sharing it
         else:
             check_dtype_op(array.dtype, None, operation)
-        if root is not None:
-            self._check_rank(root, "root", operation)
         nbytes = array.nbytes * (self.size if operation in _PER_RANK_BLOCK else 1)  # stats: the whole buffer
         chosen = self._resolve(operation, algorithm, nbytes, array.dtype)
         plan = Plan(operation, chosen, array, rop, root, nbytes, host=type(array) is np.ndarray,
@@ -572,6 +572,8 @@ class Communicator:
         return [r for r in range(self.size) if r != self.rank]
 
     def _check_rank(self, rank: int, role: str, operation: str) -> None:
+        if type(rank) is int and 0 <= rank < self.size:
+            return
         if type(rank) is not int and not isinstance(rank, np.integer) or not 0 <= rank < self.size:
             raise ValueError(f"{operation}: {role} {rank!r} is not a rank of a communicator of size {self.size} "
                              f"(an int in 0..{self.size - 1})")
