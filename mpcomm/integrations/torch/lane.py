@@ -1,0 +1,317 @@
+"""One process group's collectives, run one at a time in the order they were issued, and torch's ``Work`` for them.
+
+Every collective of a group goes through its :class:`Lane`, so the k-th collective issued on a rank pairs with the
+k-th on every other rank, whether the caller waits on it at once or not (as on gloo, one stream per group). Where
+it runs:
+
+* a call that torch marks synchronous (``opts.asyncOp`` false: ``dist.all_reduce(t)``) runs right away on the
+  caller's thread when nothing issued before it is pending: no thread hop, no future;
+* anything else is queued and run by the lane's worker thread in issue order, so DDP's bucket all-reduces make
+  progress while backward computes; a ``wait()`` that finds its job (and those before it) still queued runs
+  them itself instead of waiting for the worker to wake.
+
+A failure is raised by the synchronous call, by ``wait()``, and through ``get_future()``; never swallowed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.futures import Future
+
+from .tensors import torch_error
+
+
+class Job:
+    """A collective waiting to run (or done): its body, what its Work returns, and how it ended."""
+
+    __slots__ = ("body", "result", "operation", "error", "done", "future")
+
+    def __init__(self, body: Callable[[], Any], result, operation: str):
+        self.body, self.result, self.operation = body, result, operation
+        self.error: BaseException | None = None
+        self.done = False
+        self.future: Future | None = None
+
+    def run(self) -> None:
+        try:
+            self.body()
+        except BaseException as exc:  # noqa: BLE001 - raised again by wait() / the future
+            self.error = torch_error(exc, self.operation)
+        self.body = None  # drop the buffers it closed over
+
+
+class Lane:
+    """Runs a group's jobs one at a time in issue order (see the module docstring); ``on_failure`` is called
+    when a job's communication fails."""
+
+    def __init__(self, name: str, threaded: bool = True, on_failure: Callable[[], None] = lambda: None):
+        self._name, self._threaded, self._on_failure = name, threaded, on_failure
+        self._queue: deque[Job] = deque()
+        self._running = threading.Lock()  # held by whichever thread runs a job
+        self._changed = threading.Condition(threading.Lock())  # guards _queue and Job.done; notified on both
+        self._worker: threading.Thread | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ the synchronous path
+    def enter(self) -> bool:
+        """Take the lane for a job run on the caller's thread; False if jobs issued earlier are still pending."""
+        if self._queue or not self._running.acquire(False):
+            return False
+        if self._queue:  # another thread queued one between the check and the lock
+            self._running.release()
+            return False
+        return True
+
+    def leave(self) -> None:
+        self._running.release()
+        if self._queue:
+            with self._changed:
+                self._changed.notify_all()
+
+    # ------------------------------------------------------------------ the queued path
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; without a worker (MPI below THREAD_MULTIPLE) run it, and all before it, now."""
+        if self._closed:
+            raise RuntimeError(f"mpcomm backend: {job.operation} on process group {self._name}, which was shut down")
+        with self._changed:
+            self._queue.append(job)
+            if self._threaded:
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work, name=f"mpcomm-torch-{self._name}", daemon=True)
+                    self._worker.start()
+                self._changed.notify_all()
+        if not self._threaded:
+            self.wait(job, None)
+
+    def wait(self, job: Job, timeout: float | None) -> None:
+        """Block until ``job`` is done, running it (and the jobs queued before it) here if no thread is running
+        a job; raises DistBackendError if ``timeout`` seconds pass first (the job itself goes on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not job.done:
+            if self._running.acquire(False):
+                try:
+                    self._run_queued(until=job)
+                finally:
+                    self._running.release()
+                continue
+            with self._changed:
+                if job.done:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise dist.DistBackendError(
+                        f"mpcomm backend: {job.operation} on process group {self._name}: Timed out waiting "
+                        f"{timeout * 1000:.0f}ms for the collective to complete; it is still running")
+                self._changed.wait(0.05 if remaining is None else min(remaining, 0.05))
+
+    def _run_queued(self, until: Job | None) -> None:
+        """With ``_running`` held: run queued jobs in order, up to and including ``until`` (one job for None)."""
+        while True:
+            with self._changed:
+                if not self._queue or (until is not None and until.done):
+                    return
+                job = self._queue.popleft()
+            job.run()
+            if isinstance(job.error, dist.DistBackendError):  # communication failed (not a bad argument)
+                self._on_failure()
+            with self._changed:
+                job.done = True
+                future = job.future
+                self._changed.notify_all()
+            if future is not None:
+                _complete(future, job)
+            if until is None:
+                return
+
+    def _work(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queue:
+                    if self._closed:
+                        return
+                    self._changed.wait()
+            with self._running:
+                self._run_queued(until=None)
+
+    def future_of(self, job: Job) -> Future:
+        """A torch Future completed (or failed) with the job; made on demand, so jobs nobody asks about have none.
+        Made before the job is done, the thread that finishes the job completes it; after, it is completed here,
+        before anyone can have attached a callback to it."""
+        with self._changed:
+            if job.future is None:
+                job.future = Future()
+                if job.done:
+                    _complete(job.future, job)
+            return job.future
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Run what is queued, stop the worker; later jobs are refused."""
+        if self._closed:
+            return
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+        with self._running:
+            self._run_queued(until=_NEVER)
+
+
+_NEVER = Job(None, None, "")  # never done: _run_queued(until=_NEVER) drains the queue
+
+
+def _complete(future: Future, job: Job) -> None:
+    if job.error is not None:
+        future.set_exception(job.error)
+    else:
+        future.set_result(job.result)
+
+
+def _seconds(timeout) -> float | None:
+    """torch's timeout argument (a timedelta, zero meaning none; or seconds) in seconds, or None."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------- Work
+class QueuedWork(dist.Work):
+    """The Work of a queued collective: ``wait()`` runs or waits for it and raises its error."""
+
+    def wait(self, timeout=None) -> bool:
+        job = self._job
+        if not job.done:
+            self._lane.wait(job, _seconds(timeout))
+        if job.error is not None:
+            raise job.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._job.done
+
+    def is_success(self) -> bool:
+        return self._job.done and self._job.error is None
+
+    def exception(self):
+        return self._job.error
+
+    def result(self):
+        self.wait()
+        return self._job.result
+
+    def get_future(self) -> Future:
+        return self._lane.future_of(self._job)
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+def queued_work(lane: Lane, job: Job) -> QueuedWork:
+    work = QueuedWork()
+    work._lane, work._job = lane, job
+    return work
+
+
+class DoneWork(dist.Work):
+    """The Work of a collective that already ran (successfully) on the caller's thread."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._result
+
+    def get_future(self) -> Future:
+        future = Future()
+        future.set_result(self._result)
+        return future
+
+    def synchronize(self) -> None:
+        pass
+
+
+def done_work(result) -> DoneWork:
+    work = DoneWork()
+    work._result = result
+    return work
+
+
+class P2PWork(dist.Work):
+    """A send or receive in flight on mpcomm's point-to-point channels (not ordered with the collectives, as
+    on gloo); ``wait()`` is bounded by the group's timeout and raises what the transfer raised."""
+
+    def wait(self, timeout=None) -> bool:
+        if self._error is None and not self._done:
+            try:
+                self._request.wait(_seconds(timeout))
+            except BaseException as exc:  # noqa: BLE001
+                self._error = torch_error(exc, self._operation)
+                if isinstance(self._error, dist.DistBackendError):
+                    self._on_failure()
+            self._done = True
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._done and self._request.is_completed():
+            try:
+                self.wait()
+            except BaseException:  # noqa: BLE001 - kept for wait()/exception()
+                pass
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._tensors
+
+    def get_future(self) -> Future:
+        future = Future()
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001
+            future.set_exception(exc)
+        else:
+            future.set_result(self._tensors)
+        return future
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def _source_rank(self) -> int:
+        """The group rank a receive from any source matched (what ``dist.recv`` reports)."""
+        self.wait()
+        return int(self._request.source)
+
+    source_rank = _source_rank
+
+
+def p2p_work(request, tensors, operation: str, on_failure: Callable[[], None]) -> P2PWork:
+    work = P2PWork()
+    work._request, work._tensors, work._operation, work._on_failure = request, tensors, operation, on_failure
+    work._done, work._error = False, None
+    return work
+
