@@ -5,7 +5,8 @@
 Every rank all-reduces 8 MiB in a loop (each call crosses the node links for tens of ms at 1 Gbit/s) until a
 call fails, then writes what happened to OUTDIR/rank<r>.json. A file, not stdout: a node whose link is down
 cannot reach mpiexec, so its ranks' output would be lost. Rank 0 writes OUTDIR/ready once every rank is in the
-loop; the test then takes one node's link down. The ranks end with os._exit: MPI_Finalize could wait for
+loop; the test then takes one node's link down. The ranks end with os._exit once every rank has written its
+file (hydra kills the others as soon as one rank exits without MPI_Finalize): MPI_Finalize could wait for
 messages that can no longer arrive, and the job's verdict is in the files.
 """
 from __future__ import annotations
@@ -46,6 +47,11 @@ def main() -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
+    # hydra kills every rank once one exits without MPI_Finalize: stay until all have reported (or 60 s)
+    others = [os.path.join(outdir, f"rank{r}.json") for r in range(comm.size)]
+    deadline = time.monotonic() + 60
+    while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     sys.stdout.flush()
     os._exit(0)
 
