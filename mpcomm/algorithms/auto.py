@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import topology
+from ..tuning_table import check_table
 
 TABLE_FORMAT = "mpcomm-tuning/1"
 
@@ -298,7 +299,10 @@ class Selector:
 
     # -------------------------------------------------------------- calibration table
     def load(self, table: dict, source: str = "tuning table") -> bool:
-        """Use ``table`` for later choices if it was measured on this layout; else warn and keep the old one."""
+        """Use ``table`` for later choices if it was measured on this layout; else warn and keep the old one.
+        A table in this format with a broken entry raises ValueError naming ``source`` and the entry."""
+        if isinstance(table, dict) and table.get("format") == TABLE_FORMAT:
+            check_table(table, source)
         problem = self._incompatible(table)
         if problem:
             warnings.warn(f"mpcomm: ignoring {source}: {problem}", RuntimeWarning, stacklevel=3)
