@@ -8,6 +8,9 @@ from .mesh import ParallelConfig, ParallelMesh
 from .p2p import ANY_SOURCE, ANY_TAG, Status
 from .errors import CollectiveMismatchError, CommTimeoutError, ConfigError, MpcommError
 from .work import Work
+from .launch import install_excepthook
+
+install_excepthook()  # multi-rank worlds: an uncaught MpcommError ends the whole job (mpcomm.launch)
 
 __all__ = [
     "Communicator",

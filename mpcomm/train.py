@@ -7,7 +7,9 @@ Engines: ``single`` (one process on the whole global batch; under mpiexec every 
 ``ddp`` (:class:`~mpcomm.parallel.DistributedDataParallel`, dp = world), ``fsdp``
 (:class:`~mpcomm.parallel.fsdp.FullyShardedDataParallel`, dp = world) and ``pipeline|tp|3d``
 (:func:`mpcomm.parallel.threed.train_model_parallel`).  The same seed and global batch give the same losses for
-every engine and layout.  One rank's exception aborts the whole job (:func:`mpcomm.launch.run_main`).
+every engine and layout.  A bad configuration (or an unwritable ``--json``) is found before training starts and
+reported as one line, exit status 2 on every rank; any other exception on one rank aborts the whole job
+(:func:`mpcomm.launch.run_main`).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import ConfigError
+from .launch import ArgumentParser, UsageError, root_outputs_problem, run_main
 from .nn import Module, make_optimizer, mse_loss
 from .workload import Workload, param_checksum
 
@@ -30,7 +33,7 @@ FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mpcomm-train", description=__doc__.split("\n\n")[0],
+    ap = ArgumentParser(prog="mpcomm-train", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--engine", choices=ENGINES, default="single")
     ap.add_argument("--dp", type=int, default=None, help="data-parallel size (single/ddp/fsdp: the world size)")
@@ -228,6 +231,9 @@ def run(argv: Sequence[str] | None = None, comm: Any = None) -> dict:
     comm = Communicator(MPI.COMM_WORLD) if own else comm
     try:
         dp, tp, pp = resolve_layout(args, comm.size)
+        problem = root_outputs_problem(comm, {"--json": args.json})  # before the run, not after
+        if problem:
+            raise ConfigError(problem)
         workload = Workload(num_layers=args.layers, d_model=args.d_model, d_hidden=args.d_hidden,
                             global_batch=args.global_batch, seed=args.seed, dtype=args.dtype)
         if args.engine in DATA_PARALLEL:
@@ -255,13 +261,16 @@ def run(argv: Sequence[str] | None = None, comm: Any = None) -> dict:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    run(argv)
+    try:
+        run(argv)
+    except ConfigError as exc:  # the same on every rank: one line, no traceback (run_main)
+        raise UsageError(f"mpcomm-train: error: {exc}") from None
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point: like :func:`run`, but an exception on any rank aborts the whole MPI job."""
-    from .launch import run_main
+    """Console entry point: like :func:`run`, but a configuration error is one line and exit status 2 on every rank,
+    and any other exception on any rank aborts the whole MPI job."""
     return run_main(_main, argv)
 
 

@@ -7,6 +7,8 @@ Every helper here that talks to other ranks is collective: all ranks must call i
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import tempfile
 import zlib
 from collections.abc import Callable
@@ -75,6 +77,19 @@ def pytest_sessionstart(session) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and session.config.get_verbosity() < 0 and WORLD.Get_rank() == 0:
         reporter.write_line(_header_line())
+
+
+# ------------------------------------------------------------------------------------------ tests that launch mpiexec
+UNDER_MPIEXEC = WORLD.Get_size() > 1 or any(k.startswith(("PMI_", "OMPI_", "HYDRA_")) for k in os.environ)
+serial_only = pytest.mark.skipif(UNDER_MPIEXEC, reason="launches mpiexec itself; run it in the serial pytest pass")
+
+
+def mpiexec_path() -> str:
+    """The mpiexec next to this Python (the venv's MPI) or on PATH; skips the calling test when there is none."""
+    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("no mpiexec")
+    return found
 
 
 # ------------------------------------------------------------------------------------------ fixtures

@@ -6,30 +6,19 @@ Serial pytest pass only: they launch mpiexec themselves.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from mpi4py import MPI
+from conftest import mpiexec_path, serial_only
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(
-    MPI.COMM_WORLD.Get_size() > 1 or any(k.startswith(("PMI_", "OMPI_", "HYDRA_")) for k in os.environ),
-    reason="launches mpiexec itself; run it in the serial pytest pass")
-
-
-def _mpiexec() -> str:
-    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec")
-    return found
+pytestmark = serial_only
 
 
 def _run(*argv: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    proc = subprocess.run([_mpiexec(), "-n", "2", sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout

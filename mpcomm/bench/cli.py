@@ -16,7 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..buffers import SUPPORTED_DTYPES, check_dtype_op
-from ..launch import run_main
+from ..launch import ArgumentParser, root_outputs_problem, run_main
 from .driver import (BLOCK_SECONDS, COLLECTIVES, Plan, memcpy_bandwidth, sizes, sweep, timed_algorithms,
                      tty_progress)
 from .report import footer_lines, format_row, header_lines, plot, write_json
@@ -68,16 +68,8 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in str(text).split(",") if n.strip()]
 
 
-class _Parser(argparse.ArgumentParser):
-    """Prints usage, help and errors on rank 0 only (every rank parses the same argv and exits alike)."""
-
-    def _print_message(self, message, file=None):
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            super()._print_message(message, file)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="mpcomm-bench",
         description="nccl-tests style benchmark of mpcomm's collectives, one row per size and algorithm.",
         epilog="Run under mpiexec -n P (P=1 also works without mpiexec). Sizes take K/M/G suffixes (binary).",
@@ -192,6 +184,11 @@ def run(argv: Sequence[str] | None = None, comm=None, out: TextIO | None = None)
     owned = comm is None
     if owned:
         comm = Communicator(world, timeout=args.timeout, ranks_per_node=args.ranks_per_node)
+    problem = root_outputs_problem(comm, {"--json": args.json, "--plot": args.plot})  # before the run, not after
+    if problem:
+        if owned:
+            comm.free()
+        parser.error(problem)
     leader = comm.rank == 0
     out = sys.stdout if out is None else out
 

@@ -1,0 +1,148 @@
+"""User errors of the command lines reach the terminal every time, as ONE line and a non-zero exit; an mpcomm error
+escaping a plain ``mpiexec -n P python script.py`` ends the job.
+
+Real ``mpiexec`` runs (subprocesses), so these run in the serial pytest pass only:
+
+    python -m pytest -q tests/test_cli_errors.py
+    MPCOMM_TEST_REPEAT=20 python -m pytest -q tests/test_cli_errors.py -k repeated    (the 20-run check)
+
+Before: ``mpcomm-bench`` printed argument errors on rank 0 and then called MPI_Abort, which lost the message in 11
+of 24 runs at p = 2; ``mpcomm-train`` printed a full traceback per rank for a bad configuration; ``--json`` into a
+missing directory failed after the whole run; an uncaught ``CommTimeoutError`` left the job alive until killed.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import mpiexec_path, serial_only
+
+ROOT = Path(__file__).resolve().parent.parent
+REPEAT = int(os.environ.get("MPCOMM_TEST_REPEAT", "4"))
+MISSING_DIR = "/nonexistent-mpcomm-dir/sub"
+
+pytestmark = serial_only
+
+
+def launch(ranks: int, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """``argv`` (after ``python``) on ``ranks`` processes: under mpiexec, or directly for one process."""
+    command = [sys.executable, *argv]
+    if ranks > 1:
+        command = [mpiexec_path(), "-n", str(ranks), *command]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, prog: str, *fragments: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    detail = f"rc={proc.returncode}\n--- stderr\n{proc.stderr}--- stdout\n{proc.stdout}"
+    assert proc.returncode == 2, detail
+    assert len(lines) == 1, detail
+    assert lines[0].startswith(f"{prog}: error: "), detail
+    for fragment in fragments:
+        assert fragment in lines[0], detail
+    assert proc.stdout == "", detail  # nothing ran
+
+
+USER_ERRORS = {
+    "bench: unknown --op": (["-m", "mpcomm.bench", "--op", "bogus"], "mpcomm-bench", ["invalid choice: 'bogus'"]),
+    "bench: --root out of range": (["-m", "mpcomm.bench", "--root", "99"], "mpcomm-bench", ["--root 99"]),
+    "bench: --json into a missing directory": (
+        ["-m", "mpcomm.bench", "-e", "64", "--json", f"{MISSING_DIR}/rows.json"], "mpcomm-bench",
+        ["--json", MISSING_DIR]),
+    "train: unknown --engine": (["-m", "mpcomm.train", "--engine", "bogus"], "mpcomm-train",
+                                ["invalid choice: 'bogus'"]),
+    "train: layout does not fit the world": (["-m", "mpcomm.train", "--engine", "ddp", "--dp", "99"], "mpcomm-train",
+                                             ["dp*tp*pp == world"]),
+    "train: --json into a missing directory": (
+        ["-m", "mpcomm.train", "--engine", "ddp", "--steps", "1", "--global-batch", "12",
+         "--json", f"{MISSING_DIR}/out.json"], "mpcomm-train", ["--json", MISSING_DIR]),
+}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("case", list(USER_ERRORS))
+def test_user_error_is_one_line_and_exit_2(case, ranks):
+    argv, prog, fragments = USER_ERRORS[case]
+    assert_one_line_error(launch(ranks, argv), prog, *fragments)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("case", ["bench: unknown --op"])
+def test_user_error_arrives_every_time_repeated(case, ranks):
+    """The message used to be lost to MPI_Abort in about half of the runs: it must arrive in every one."""
+    argv, prog, fragments = USER_ERRORS[case]
+    for _ in range(REPEAT):
+        assert_one_line_error(launch(ranks, argv), prog, *fragments)
+
+
+@pytest.mark.parametrize("blocked", ["a regular file as the directory", "a read-only directory"])
+def test_json_into_unusable_directory_is_refused_before_the_run(tmp_path, blocked):
+    if blocked == "a regular file as the directory":
+        parent, reason = tmp_path / "plain-file", "is not a directory"
+        parent.write_text("")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root may write anywhere")
+        parent, reason = tmp_path / "locked", "is not writable"
+        parent.mkdir(mode=0o500)
+    proc = launch(2, ["-m", "mpcomm.bench", "-e", "64", "--json", str(parent / "rows.json")])
+    assert_one_line_error(proc, "mpcomm-bench", str(parent), reason)
+
+
+# ---------------------------------------------------------------------------------------- uncaught mpcomm errors
+STUCK = textwrap.dedent("""
+    import time
+    import numpy as np
+    from mpcomm import Communicator
+
+    comm = Communicator(timeout=2.0)
+    if comm.rank == 0:
+        comm.allreduce(np.ones(4))  # the other ranks never join
+    else:
+        time.sleep(300)  # busy elsewhere: only an abort ends this process early
+""")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_uncaught_mpcomm_error_in_a_plain_script_ends_the_job(tmp_path, ranks):
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    start = time.monotonic()
+    proc = launch(ranks, [str(script)], timeout=90)  # TimeoutExpired (a failure) if the job is left alive
+    elapsed = time.monotonic() - start
+    detail = f"rc={proc.returncode} after {elapsed:.1f} s\n--- stderr\n{proc.stderr}"
+    assert proc.returncode != 0, detail
+    assert proc.stderr.count("CommTimeoutError: rank 0: allreduce") == 1, detail  # printed once
+    assert f"[mpcomm] rank 0 of {ranks}: uncaught CommTimeoutError; aborting the job" in proc.stderr, detail
+
+
+ONE_RANK_ONLY = textwrap.dedent("""
+    from mpi4py import MPI
+    from mpcomm import launch
+
+    launch.AGREE_SECONDS = 2.0
+
+    def main():
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            raise launch.UsageError("prog: error: only rank 1 sees this")
+        MPI.COMM_WORLD.recv(source=1)  # would wait forever without the abort
+
+    launch.run_main(main)
+""")
+
+
+def test_user_error_on_one_rank_only_is_printed_and_ends_the_job(tmp_path):
+    script = tmp_path / "one_rank.py"
+    script.write_text(ONE_RANK_ONLY)
+    proc = launch(2, [str(script)], timeout=90)
+    detail = f"rc={proc.returncode}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 2, detail
+    assert proc.stderr.count("prog: error: only rank 1 sees this") == 1, detail
+    assert "[mpcomm] rank 1 of 2 stopped (status 2), the other ranks did not within 2 s" in proc.stderr, detail
