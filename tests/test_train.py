@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import WORLD
+from conftest import WORLD, mpiexec_path, serial_only
 
 from mpcomm.errors import ConfigError
 from mpcomm.train import build_parser, resolve_layout
@@ -75,15 +75,13 @@ def _cli() -> list[str]:
     return [script] if script else [sys.executable, "-m", "mpcomm.train"]
 
 
-@pytest.mark.skipif(any(k.startswith(("PMI_", "OMPI_", "HYDRA_")) for k in os.environ),
-                    reason="launches mpiexec itself; run it in the serial pytest pass")
+@serial_only
 def test_cli_3d_under_mpiexec_equals_single(tmp_path):
     """``mpiexec -n 4 mpcomm-train --engine 3d --tp 2 --pp 2 --json`` (4 processes, the real command line) writes
     the losses and checksum of ``mpcomm-train --engine single --json``."""
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     runs = {"single": _cli() + ["--engine", "single"],
-            "3d": [mpiexec, "-n", "4", *_cli(), "--engine", "3d", "--dp", "1", "--tp", "2", "--pp", "2"]}
+            "3d": [mpiexec_path(), "-n", "4", *_cli(), "--engine", "3d", "--dp", "1", "--tp", "2", "--pp", "2"]}
     out = {}
     for name, argv in runs.items():
         path = tmp_path / f"{name}.json"
