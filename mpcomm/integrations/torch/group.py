@@ -20,11 +20,14 @@ from mpi4py import MPI
 
 from ...comm import Communicator
 from ...p2p import ANY_SOURCE
-from .lane import Job, Lane, done_work, p2p_work, queued_work
+from .lane import DoneWork, Job, Lane, done_work, p2p_work, queued_work
 from .tensors import Reduction, as_numpy, as_reducible, reduction, torch_error
 
 BACKEND = "mpcomm"
-_MONITOR_TAG, _MONITOR_TAGS = 0x4D6F0000, 0x10000  # monitored_barrier's tag range (see _next_monitor_tags)
+# monitored_barrier's tags: the top of the MPI library's tag range (see _next_monitor_tags).
+_TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+_MONITOR_TAGS = min(0x10000, (_TAG_UB + 1) // 2)
+_MONITOR_TAG = _TAG_UB + 1 - _MONITOR_TAGS
 _SHUTDOWN_AGREEMENT_SECONDS = 10.0  # how long shutdown waits for the group's ranks to agree (see shutdown)
 
 
@@ -101,19 +104,31 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
     # ------------------------------------------------------------------ all-reduce
     def allreduce(self, tensors, opts=None):
         """Each tensor <- the reduction over ranks (a list of several is reduced together first, as gloo does)."""
-        opts = opts if opts is not None else dist.AllreduceOptions()
-        if len(tensors) == 1:
-            tensor = tensors[0]
-            red = reduction(opts.reduceOp, tensor.dtype, "allreduce")
-            if tensor.is_sparse:
-                return self._issue("allreduce", self._allreduce_sparse(tensor, red), tensors, opts)
-            array = as_reducible(tensor, "allreduce tensor")
-            if red.local is None:
-                body = partial(self.comm.allreduce, array, red.name, self.algorithm)
-            else:
-                body = partial(self._allreduce_gathered, array, red)
-            return self._issue("allreduce", body, tensors, opts)
-        return self._issue("allreduce", self._allreduce_several(tensors, opts.reduceOp), tensors, opts)
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        if len(tensors) != 1:
+            return self._issue("allreduce", self._allreduce_several(tensors, opts.reduceOp), tensors, opts)
+        tensor = tensors[0]
+        red = reduction(opts.reduceOp, tensor.dtype, "allreduce")
+        if tensor.is_sparse:
+            return self._issue("allreduce", self._allreduce_sparse(tensor, red), tensors, opts)
+        array = as_reducible(tensor, "allreduce tensor")
+        if red.local is not None:
+            return self._issue("allreduce", partial(self._allreduce_gathered, array, red), tensors, opts)
+        if not opts.asyncOp and self._lane.enter():  # dist.all_reduce(t): _issue's inline path, spelled out
+            try:
+                self.comm.allreduce(array, red.name, self.algorithm)
+            except BaseException as exc:  # noqa: BLE001
+                error = self._translated(exc, "allreduce")
+                if error is exc:
+                    raise
+                raise error from exc
+            finally:
+                self._lane.leave()
+            work = DoneWork()
+            work._result = tensors
+            return work
+        return self._issue("allreduce", partial(self.comm.allreduce, array, red.name, self.algorithm), tensors, opts)
 
     def _allreduce_gathered(self, array: np.ndarray, red: Reduction) -> None:
         """A reduction mpcomm does not run itself (bitwise ops): gather every rank's array, reduce in rank order."""
@@ -514,7 +529,7 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
     def _next_monitor_tags(self) -> tuple[int, int]:
         """Two tags of monitored_barrier's own range, new for each call (a late check-in from an earlier call can
         never be taken for this one's)."""
-        first = _MONITOR_TAG + (2 * self._monitor_calls) % _MONITOR_TAGS
+        first = _MONITOR_TAG + (2 * self._monitor_calls) % (_MONITOR_TAGS - 1)
         self._monitor_calls += 1
         return first, first + 1
 

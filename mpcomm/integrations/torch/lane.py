@@ -89,11 +89,13 @@ class Lane:
             self.wait(job, None)
 
     def wait(self, job: Job, timeout: float | None) -> None:
-        """Block until ``job`` is done, running it (and the jobs queued before it) here if no thread is running
-        a job; raises DistBackendError if ``timeout`` seconds pass first (the job itself goes on)."""
+        """Block until ``job`` is done; raises DistBackendError if ``timeout`` seconds pass first (the job itself
+        goes on). Without a timeout, a job still queued (and those before it) runs here when no thread is running
+        one (a job run here cannot be given up on: with a timeout the worker runs it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        steal = timeout is None or not self._threaded
         while not job.done:
-            if self._running.acquire(False):
+            if steal and self._running.acquire(False):
                 try:
                     self._run_queued(until=job)
                 finally:
@@ -186,6 +188,8 @@ def _seconds(timeout) -> float | None:
 class QueuedWork(dist.Work):
     """The Work of a queued collective: ``wait()`` runs or waits for it and raises its error."""
 
+    __slots__ = ("_lane", "_job")  # (a pybind object with a __dict__ costs microseconds to make and free)
+
     def wait(self, timeout=None) -> bool:
         job = self._job
         if not job.done:
@@ -223,6 +227,8 @@ def queued_work(lane: Lane, job: Job) -> QueuedWork:
 class DoneWork(dist.Work):
     """The Work of a collective that already ran (successfully) on the caller's thread."""
 
+    __slots__ = ("_result",)
+
     def wait(self, timeout=None) -> bool:
         return True
 
@@ -256,6 +262,8 @@ def done_work(result) -> DoneWork:
 class P2PWork(dist.Work):
     """A send or receive in flight on mpcomm's point-to-point channels (not ordered with the collectives, as
     on gloo); ``wait()`` is bounded by the group's timeout and raises what the transfer raised."""
+
+    __slots__ = ("_request", "_tensors", "_operation", "_on_failure", "_done", "_error")
 
     def wait(self, timeout=None) -> bool:
         if self._error is None and not self._done:

@@ -27,6 +27,11 @@ _BYTES_ONLY = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, to
 
 def as_numpy(tensor: torch.Tensor, what: str = "tensor") -> np.ndarray:
     """A numpy array sharing memory with the CPU ``tensor`` (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    if type(tensor) is torch.Tensor and tensor.dtype is not torch.bfloat16:
+        try:  # the common case: Tensor.numpy() itself refuses what needs a look below
+            return tensor.numpy()
+        except (TypeError, RuntimeError):
+            pass
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"mpcomm backend: {what} must be a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.is_cpu:
@@ -50,7 +55,7 @@ def as_numpy(tensor: torch.Tensor, what: str = "tensor") -> np.ndarray:
 
 def as_reducible(tensor: torch.Tensor, what: str) -> np.ndarray:
     """``as_numpy`` for a reduction: refuses the dtypes that move only as bytes."""
-    if tensor.dtype in _BYTES_ONLY:
+    if type(tensor) is torch.Tensor and tensor.dtype in _BYTES_ONLY:
         raise TypeError(f"mpcomm backend: {what} is {tensor.dtype}, which cannot be reduced (it can be moved: "
                         "broadcast, gathers, all-to-all, send/recv)")
     return as_numpy(tensor, what)
@@ -71,14 +76,14 @@ class Reduction:
         return self.local.reduce(stacked, axis=0)
 
 
-_CACHE: dict = {}
+_CACHE: dict = {}  # (op number, dtype) -> Reduction: what every call needs, decided once per pair
 
 
 def reduction(op, dtype: torch.dtype, operation: str) -> Reduction:
     """The Reduction for torch ``op`` (a ReduceOp or its RedOpType) on ``dtype``; a clear error for the pairs gloo
     refuses too, NotImplementedError for PREMUL_SUM."""
-    kind = getattr(op, "op", op)
-    key = (kind, dtype)
+    kind = op.op if type(op) is dist.ReduceOp else op
+    key = (kind.value, dtype)  # (pybind enums hash slowly; their int does not)
     found = _CACHE.get(key)
     if found is not None:
         return found
