@@ -375,3 +375,41 @@ def test_device_mesh_groups(pg):
     t = torch.full((2,), float(RANK))
     in_step(lambda: dist.all_reduce(t, group=group))
     assert t.tolist() == [float(sum(range(SIZE)))] * 2
+
+
+@pytest.mark.mpi
+@multi
+def test_functional_collectives(pg):
+    """torch's functional collectives (what DTensor runs) reach the group through C++; each equals the
+    dist.* call on the same input."""
+    import torch.distributed._functional_collectives as funcol
+
+    x = torch.arange(2.0 * SIZE) + 10 * RANK
+
+    def check():
+        reduced = x.clone()
+        dist.all_reduce(reduced)
+        assert torch.equal(funcol.all_reduce(x, "sum", pg).wait(), reduced)
+        gathered = torch.empty(2 * SIZE * SIZE)
+        dist.all_gather_single(gathered, x)
+        assert torch.equal(funcol.all_gather_tensor(x, 0, pg).wait(), gathered)
+        scattered = torch.empty(2)
+        dist.reduce_scatter_single(scattered, x)
+        assert torch.equal(funcol.reduce_scatter_tensor(x, "sum", 0, pg).wait(), scattered)
+        exchanged = torch.empty_like(x)
+        dist.all_to_all_single(exchanged, x)
+        assert torch.equal(funcol.all_to_all_single(x, None, None, pg).wait(), exchanged)
+        assert torch.equal(funcol.broadcast(x, SIZE - 1, pg).wait(), torch.arange(2.0 * SIZE) + 10 * (SIZE - 1))
+
+    in_step(check)
+
+
+@pytest.mark.mpi
+@multi
+def test_monitored_barrier_helper(pg):
+    """mpcomm.integrations.torch.monitored_barrier: dist.monitored_barrier's signature, for mpcomm groups."""
+    in_step(lambda: mpt.monitored_barrier(timeout=timedelta(seconds=30)))
+    group = dist.new_group()
+    in_step(lambda: mpt.monitored_barrier(group, timedelta(seconds=30), wait_all_ranks=True))
+    with pytest.raises(ValueError, match="dist.monitored_barrier"):
+        mpt.monitored_barrier(object())

@@ -34,8 +34,8 @@ from .tensors import as_numpy, reduce_op_name, reduction
 SCHEME = "mpcomm"
 _CREATE_GROUP_TAG = 0x6D70  # MPI.Comm.Create_group's tag for the groups of torch's new_group
 
-__all__ = ["BACKEND", "SCHEME", "ProcessGroupMpcomm", "as_numpy", "init_process_group", "reduce_op_name",
-           "reduction", "register", "set_env_rendezvous_defaults"]
+__all__ = ["BACKEND", "SCHEME", "ProcessGroupMpcomm", "as_numpy", "init_process_group", "monitored_barrier",
+           "reduce_op_name", "reduction", "register", "set_env_rendezvous_defaults"]
 
 
 # ---------------------------------------------------------------------------------------------- registration
@@ -121,6 +121,16 @@ def init_process_group(**kwargs) -> None:
     if "store" not in kwargs:
         kwargs.setdefault("init_method", f"{SCHEME}://")
     dist.init_process_group(BACKEND, **kwargs)
+
+
+def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+    """``dist.monitored_barrier`` for mpcomm groups (torch's own refuses every backend not named "gloo" before it
+    reaches the group): rank 0 waits up to ``timeout`` for every rank and names those that did not arrive."""
+    group = dist.group.WORLD if group is None else group
+    if not isinstance(group, ProcessGroupMpcomm):
+        raise ValueError(f"monitored_barrier: {group!r} is not an mpcomm process group (for gloo groups use "
+                         "dist.monitored_barrier)")
+    group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
 def _free_port(address: str = "127.0.0.1") -> int:

@@ -55,9 +55,16 @@ def as_numpy(tensor: torch.Tensor, what: str = "tensor") -> np.ndarray:
 
 def as_reducible(tensor: torch.Tensor, what: str) -> np.ndarray:
     """``as_numpy`` for a reduction: refuses the dtypes that move only as bytes."""
-    if type(tensor) is torch.Tensor and tensor.dtype in _BYTES_ONLY:
-        raise TypeError(f"mpcomm backend: {what} is {tensor.dtype}, which cannot be reduced (it can be moved: "
-                        "broadcast, gathers, all-to-all, send/recv)")
+    if type(tensor) is torch.Tensor:
+        dtype = tensor.dtype
+        if dtype in _BYTES_ONLY:
+            raise TypeError(f"mpcomm backend: {what} is {dtype}, which cannot be reduced (it can be moved: "
+                            "broadcast, gathers, all-to-all, send/recv)")
+        if dtype is not torch.bfloat16:
+            try:  # the common case, as in as_numpy
+                return tensor.numpy()
+            except (TypeError, RuntimeError):
+                pass
     return as_numpy(tensor, what)
 
 
@@ -82,11 +89,11 @@ _CACHE: dict = {}  # (op number, dtype) -> Reduction: what every call needs, dec
 def reduction(op, dtype: torch.dtype, operation: str) -> Reduction:
     """The Reduction for torch ``op`` (a ReduceOp or its RedOpType) on ``dtype``; a clear error for the pairs gloo
     refuses too, NotImplementedError for PREMUL_SUM."""
-    kind = op.op if type(op) is dist.ReduceOp else op
-    key = (kind.value, dtype)  # (pybind enums hash slowly; their int does not)
-    found = _CACHE.get(key)
+    found = _CACHE.get((hash(op), dtype))  # both hash to the op's number (reading op.op costs more)
     if found is not None:
         return found
+    kind = op.op if type(op) is dist.ReduceOp else op
+    key = (kind.value, dtype)
     name = _NAMES.get(kind, str(kind))
     if kind == _RED.PREMUL_SUM:
         raise NotImplementedError(f"mpcomm backend: {operation} with ReduceOp.PREMUL_SUM is not supported "
