@@ -6,7 +6,6 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test
 """
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -21,6 +20,7 @@ if not dist.is_available():  # pragma: no cover
 import ml_dtypes  # noqa: E402
 
 import mpcomm.integrations.torch as mpt  # noqa: E402
+from torch_groups import on_backend, pg  # noqa: E402,F401  (tests/torch_groups.py: pg is a fixture)
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = pytest.mark.torch
@@ -68,17 +68,6 @@ def test_rendezvous_takes_rank_from_mpi():
 
 
 # ================================================================================== collectives through dist.*
-@pytest.fixture
-def pg():
-    """The default process group on the mpcomm backend (rank and size from MPI, no MASTER_ADDR)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    in_step(lambda: mpt.init_process_group(timeout=timedelta(seconds=60)))
-    yield dist.group.WORLD
-    in_step(dist.destroy_process_group)
-
-
-
 @pytest.mark.mpi
 def test_bare_init_process_group_needs_no_master_addr():
     """``dist.init_process_group("mpcomm")`` with no init_method/store: torch goes through env://, whose
@@ -251,29 +240,12 @@ def _train_single_full_batch():
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.mpi
-def test_ddp_matches_gloo_and_single_process(monkeypatch):
+def test_ddp_matches_gloo_and_single_process():
     if not dist.is_gloo_available():
         pytest.skip("this PyTorch has no gloo")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-    in_step(lambda: mpt.init_process_group())
-    on_mpcomm = in_step(_train_ddp)
-    in_step(dist.destroy_process_group)
-
-    port = WORLD.bcast(_free_port() if RANK == 0 else None, root=0)
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    in_step(lambda: dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
-                                            world_size=SIZE, timeout=timedelta(seconds=60)))
-    on_gloo = in_step(_train_ddp)
-    in_step(dist.destroy_process_group)
+    on_mpcomm = on_backend("mpcomm", _train_ddp)
+    on_gloo = on_backend("gloo", _train_ddp)
 
     reference = _train_single_full_batch()
     everyone = run_gathered(lambda: on_mpcomm[1].numpy())

@@ -24,6 +24,7 @@ import mpcomm.integrations.torch as mpt  # noqa: E402
 from mpcomm.errors import MpcommError  # noqa: E402
 from mpcomm.integrations.torch.lane import Job, Lane, queued_work  # noqa: E402
 from mpcomm.integrations.torch.tensors import reduction  # noqa: E402
+from torch_groups import pg  # noqa: E402,F401  (tests/torch_groups.py: the fixture)
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = pytest.mark.torch
@@ -105,15 +106,6 @@ def test_lane_wait_with_timeout_leaves_the_job_running():
 
 
 # ================================================================================== multi-rank
-@pytest.fixture
-def pg():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    in_step(lambda: mpt.init_process_group(timeout=timedelta(seconds=60)))
-    yield dist.group.WORLD
-    in_step(dist.destroy_process_group)
-
-
 @pytest.mark.mpi
 @multi
 def test_failure_raises_from_the_call_from_wait_and_through_the_future(pg):
@@ -332,11 +324,16 @@ def test_complex_all_reduce(pg):
 @pytest.mark.mpi
 @multi
 def test_sparse_all_reduce(pg):
-    indices = torch.tensor([[0, RANK % 3], [RANK, 1]])
-    values = torch.tensor([1.0, 2.0 * (RANK + 1)])
-    t = torch.sparse_coo_tensor(indices, values, (3, SIZE + 1), check_invariants=True)
-    dense = sum(torch.sparse_coo_tensor(torch.tensor([[0, r % 3], [r, 1]]), torch.tensor([1.0, 2.0 * (r + 1)]),
-                                        (3, SIZE + 1)).to_dense() for r in range(SIZE))
+    def entries(r):  # rank r's nonzeros; ranks share some positions (summed), rank 0 and 1 share (0, 1) twice
+        return [((0, r), 1.0), ((r % 3, 1), 2.0 * (r + 1))]
+
+    mine = entries(RANK)
+    t = torch.sparse_coo_tensor(torch.tensor([ij for ij, _ in mine]).T, torch.tensor([v for _, v in mine]),
+                                (3, SIZE + 1), check_invariants=True)
+    dense = torch.zeros(3, SIZE + 1)
+    for r in range(SIZE):
+        for (i, j), v in entries(r):
+            dense[i, j] += v
     in_step(lambda: dist.all_reduce(t))
     assert t.is_sparse and torch.equal(t.to_dense(), dense)
     errors = run_gathered(lambda: _error_of(lambda: dist.all_reduce(t, op=R.MAX)))

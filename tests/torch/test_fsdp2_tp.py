@@ -6,46 +6,19 @@ N >= 2, the 2-D mesh (2 x 2) at N = 4 only (``make test-torch`` runs it there).
 """
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
-
 import pytest
-from conftest import WORLD, in_step
+from conftest import WORLD
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-import mpcomm.integrations.torch as mpt  # noqa: E402
+from torch_groups import on_backend  # noqa: E402  (tests/torch_groups.py)
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = [pytest.mark.torch, pytest.mark.mpi,
               pytest.mark.skipif(SIZE < 2, reason="needs several ranks"),
               pytest.mark.skipif(not dist.is_gloo_available(), reason="this PyTorch has no gloo")]
 STEPS, WIDTH, SEED = 4, 16, 1234
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def on_backend(backend: str, program):
-    """``program()`` on a fresh default group of ``backend`` (raising on every rank if it raised on one)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if backend == "gloo":
-        port = WORLD.bcast(_free_port() if RANK == 0 else None, root=0)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        in_step(lambda: dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
-                                                world_size=SIZE, timeout=timedelta(seconds=120)))
-    else:
-        in_step(lambda: mpt.init_process_group(timeout=timedelta(seconds=120)))
-    try:
-        return in_step(program)
-    finally:
-        in_step(dist.destroy_process_group)
 
 
 class MLP(torch.nn.Module):
@@ -125,13 +98,13 @@ def assert_params_close(got: dict, expected: dict, rtol: float, what: str) -> No
 
 
 def test_fsdp2_matches_gloo():
-    on_gloo, on_mpcomm = on_backend("gloo", fsdp2_program), on_backend("mpcomm", fsdp2_program)
+    on_gloo, on_mpcomm = on_backend("gloo", fsdp2_program, 120), on_backend("mpcomm", fsdp2_program, 120)
     assert_params_close(on_mpcomm, on_gloo, 1e-5, "FSDP2 mpcomm vs gloo")
     assert_params_close(on_mpcomm, single_process_reference(SIZE), 1e-4, "FSDP2 mpcomm vs one process")
 
 
 @pytest.mark.skipif(SIZE != 4, reason="the 2 x 2 mesh needs exactly 4 ranks")
 def test_tensor_parallel_by_data_parallel_matches_gloo():
-    on_gloo, on_mpcomm = on_backend("gloo", tp_dp_program), on_backend("mpcomm", tp_dp_program)
+    on_gloo, on_mpcomm = on_backend("gloo", tp_dp_program, 120), on_backend("mpcomm", tp_dp_program, 120)
     assert_params_close(on_mpcomm, on_gloo, 1e-5, "TP x DP mpcomm vs gloo")
     assert_params_close(on_mpcomm, single_process_reference(2), 1e-4, "TP x DP mpcomm vs one process")

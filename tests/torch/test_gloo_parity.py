@@ -11,17 +11,13 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torc
 """
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
-
 import pytest
-from conftest import WORLD, in_step
+from conftest import WORLD
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-import mpcomm.integrations.torch as mpt  # noqa: E402
+from torch_groups import on_backend  # noqa: E402  (tests/torch_groups.py)
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = [pytest.mark.torch, pytest.mark.mpi,
@@ -29,29 +25,6 @@ pytestmark = [pytest.mark.torch, pytest.mark.mpi,
               pytest.mark.skipif(not dist.is_gloo_available(), reason="this PyTorch has no gloo")]
 R = dist.ReduceOp
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def on_backend(backend: str, program):
-    """``program()`` on a fresh default group of ``backend``; every rank's outputs (a dict of tensor lists)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if backend == "gloo":
-        port = WORLD.bcast(_free_port() if RANK == 0 else None, root=0)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        in_step(lambda: dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=RANK,
-                                                world_size=SIZE, timeout=timedelta(seconds=60)))
-    else:
-        in_step(lambda: mpt.init_process_group(timeout=timedelta(seconds=60)))
-    try:
-        return in_step(program)
-    finally:
-        in_step(dist.destroy_process_group)
 
 
 def assert_same(on_gloo: dict, on_mpcomm: dict, exact: bool = True) -> None:

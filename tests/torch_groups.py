@@ -1,0 +1,50 @@
+"""Fresh default process groups for the torch tests: on mpcomm, or on gloo over the same ranks in the same job
+(``on_backend``), and the ``pg`` fixture. Every function here is collective over ``MPI.COMM_WORLD``."""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from conftest import WORLD, in_step
+
+import mpcomm.integrations.torch as mpt
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_default(backend: str, seconds: float = 60) -> None:
+    """A fresh default group of ``backend`` ("mpcomm" or "gloo") over every rank (destroying any current one)."""
+    if dist.is_initialized():
+        in_step(dist.destroy_process_group)
+    timeout = timedelta(seconds=seconds)
+    if backend == "gloo":
+        port = WORLD.bcast(free_port() if WORLD.Get_rank() == 0 else None, root=0)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        in_step(lambda: dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                                rank=WORLD.Get_rank(), world_size=WORLD.Get_size(), timeout=timeout))
+    else:
+        in_step(lambda: mpt.init_process_group(timeout=timeout))
+
+
+def on_backend(backend: str, program, seconds: float = 60):
+    """``program()`` on a fresh default group of ``backend``, raising on every rank if it raised on one."""
+    init_default(backend, seconds)
+    try:
+        return in_step(program)
+    finally:
+        in_step(dist.destroy_process_group)
+
+
+@pytest.fixture
+def pg():
+    """The default process group on the mpcomm backend (rank and size from MPI, no MASTER_ADDR)."""
+    init_default("mpcomm")
+    yield dist.group.WORLD
+    in_step(dist.destroy_process_group)
