@@ -695,8 +695,13 @@ class _DeferredWork(Work):
         self.done = True
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Run this operation (and those issued before it); bounded by the communicator's timeout."""
-        self._progress.run_until(self)
+        """Run this operation (and those issued before it) here; each of their waits is bounded by ``timeout``
+        when given (it runs in this thread, so giving up stops it midway: the communicator becomes unusable)."""
+        if timeout is None or self.done:
+            self._progress.run_until(self)
+        else:
+            with self._transport.limited(timeout):
+                self._progress.run_until(self)
         if self._error is not None:
             raise self._error
         return self._result

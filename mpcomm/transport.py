@@ -59,6 +59,11 @@ class Transport:
         """Name the operation in progress (a ``with`` block), so that errors raised underneath can say what ran."""
         return _Running(self, operation)
 
+    def limited(self, seconds: float) -> "_Limited":
+        """Bound every wait of a ``with`` block by ``seconds`` too (``Work.wait(timeout)`` of an operation that
+        runs in the waiting thread)."""
+        return _Limited(self, seconds)
+
     # ------------------------------------------------------------------ scratch memory
     def scratch(self, slot: str, count: int, dtype, like=None):
         """A reusable 1-D scratch array of ``count`` elements; ``slot`` names independent buffers."""
@@ -232,6 +237,23 @@ class Transport:
                             pass
                 raise CommTimeoutError(operation or self.operation, peers, now - start, timeout, self.rank,
                                        self.on_timeout)
+
+
+class _Limited:
+    """Context manager of :meth:`Transport.limited`."""
+
+    __slots__ = ("transport", "seconds", "previous")
+
+    def __init__(self, transport: Transport, seconds: float):
+        self.transport, self.seconds = transport, float(seconds)
+
+    def __enter__(self) -> Transport:
+        self.previous = self.transport.timeout
+        self.transport.timeout = min(self.previous, self.seconds)
+        return self.transport
+
+    def __exit__(self, *exc) -> None:
+        self.transport.timeout = self.previous
 
 
 class _Running:

@@ -257,9 +257,6 @@ def test_work_wait_timeout_bounds_the_wait_and_the_operation_goes_on(monkeypatch
         assert (got == P).all(), f"rank {r}: {got} after the late join (expected {P})"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: in progress-on-wait mode (MPCOMM_PROGRESS=wait, or MPI without "
-                   "THREAD_MULTIPLE) Work.wait(timeout) ignores its timeout (_DeferredWork.wait runs the operation "
-                   "inline under the communicator's timeout instead)")
 def test_work_wait_timeout_bounds_the_wait_in_progress_on_wait_mode(monkeypatch):
     monkeypatch.setenv("MPCOMM_PROGRESS", "wait")
     comm = Communicator(WORLD, timeout=TIMEOUT + GRACE + 0.5)  # a wait bounded only by this one takes too long
