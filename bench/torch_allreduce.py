@@ -11,6 +11,11 @@ SUM all-reduce of a float32 tensor (or numpy array) of each size:
 * ``dist/mpcomm`` - ``dist.all_reduce(t)`` on the default (mpcomm) group;
 * ``dist/gloo``   - ``dist.all_reduce(t, group=gloo)``.
 
+numpy asks the kernel for transparent huge pages for large arrays; torch's CPU allocator does so only with
+``THP_MEM_ALLOC_ENABLE=1`` in the environment (read at its first allocation, so it must be set before Python
+starts). Large all-reduces on 4 KiB pages run markedly slower here (TLB misses in MPI's copies and the
+reductions), so the report says which the tensors had; ``mpcomm`` (numpy arrays) has huge pages either way.
+
 For each size, ``--rounds`` rounds; in each round every contender (order rotated from round to round, so load
 drift hits all alike) runs a block of calls after a barrier, the block's time being the slowest rank's. A block
 is ``--calls`` calls for 8 B and as many calls as fill about ``--budget`` seconds for the large sizes (counted on
@@ -108,9 +113,12 @@ def measure(nbytes: int, gloo, args) -> dict[str, list[float]]:
 
 def report(results: dict, p: int, args, load_before, load_after) -> str:
     factor = 2 * (p - 1) / p
-    lines = [f"# dist.all_reduce: mpcomm vs gloo vs raw mpi4py ({p} ranks)", "",
-             f"Command: `OMP_NUM_THREADS=1 timeout 900 mpiexec -n {p} python bench/torch_allreduce.py "
-             f"--sizes {args.sizes} --rounds {args.rounds} --calls {args.calls} --budget {args.budget}`", "",
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    lines = [f"## {p} ranks, torch allocations {'on huge pages (THP_MEM_ALLOC_ENABLE=1)' if thp == '1' else 'on 4 KiB pages'}",
+             "",
+             f"Command: `{'THP_MEM_ALLOC_ENABLE=1 ' if thp else ''}OMP_NUM_THREADS=1 timeout 900 mpiexec -n {p} python "
+             f"bench/torch_allreduce.py --sizes {args.sizes} --rounds {args.rounds} --calls {args.calls} "
+             f"--budget {args.budget}`", "",
              f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, torch "
              f"{torch.__version__}, {MPI.Get_library_version().splitlines()[0]}. Load average before "
              f"{' '.join(f'{x:.2f}' for x in load_before)}, after {' '.join(f'{x:.2f}' for x in load_after)} "

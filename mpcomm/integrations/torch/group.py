@@ -21,7 +21,7 @@ from mpi4py import MPI
 from ...comm import Communicator
 from ...p2p import ANY_SOURCE
 from .lane import DoneWork, Job, Lane, done_work, p2p_work, queued_work
-from .tensors import Reduction, as_numpy, as_reducible, reduction, torch_error
+from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, torch_error
 
 BACKEND = "mpcomm"
 # monitored_barrier's tags: the top of the MPI library's tag range (see _next_monitor_tags).
@@ -70,21 +70,27 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         pending, else queued for the lane's worker. A synchronous call raises its error itself."""
         synchronous = opts is not None and not opts.asyncOp
         if synchronous and self._lane.enter():
-            try:
-                body()
-            except BaseException as exc:  # noqa: BLE001
-                error = self._translated(exc, operation)
-                if error is exc:
-                    raise
-                raise error from exc
-            finally:
-                self._lane.leave()
-            return done_work(result)
+            return self._run_here(operation, result, body)
         job = Job(body, result, operation)
         self._lane.submit(job)
         work = queued_work(self._lane, job)
         if synchronous:
             work.wait()
+        return work
+
+    def _run_here(self, operation: str, result, fn, *args) -> DoneWork:
+        """``fn(*args)`` on the caller's thread, the lane already entered (and left here); raises torch's error."""
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001
+            error = self._translated(exc, operation)
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            self._lane.leave()
+        work = DoneWork()
+        work._result = result
         return work
 
     def _translated(self, exc: BaseException, operation: str) -> BaseException:
@@ -106,6 +112,10 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         """Each tensor <- the reduction over ranks (a list of several is reduced together first, as gloo does)."""
         if opts is None:
             opts = dist.AllreduceOptions()
+        if not opts.asyncOp and len(tensors) == 1:
+            work = self._allreduce_now(tensors, opts)
+            if work is not None:
+                return work
         if len(tensors) != 1:
             return self._issue("allreduce", self._allreduce_several(tensors, opts.reduceOp), tensors, opts)
         tensor = tensors[0]
@@ -115,20 +125,23 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         array = as_reducible(tensor, "allreduce tensor")
         if red.local is not None:
             return self._issue("allreduce", partial(self._allreduce_gathered, array, red), tensors, opts)
-        if not opts.asyncOp and self._lane.enter():  # dist.all_reduce(t): _issue's inline path, spelled out
-            try:
-                self.comm.allreduce(array, red.name, self.algorithm)
-            except BaseException as exc:  # noqa: BLE001
-                error = self._translated(exc, "allreduce")
-                if error is exc:
-                    raise
-                raise error from exc
-            finally:
-                self._lane.leave()
-            work = DoneWork()
-            work._result = tensors
-            return work
         return self._issue("allreduce", partial(self.comm.allreduce, array, red.name, self.algorithm), tensors, opts)
+
+    def _allreduce_now(self, tensors, opts):
+        """``dist.all_reduce(t)``: its per-call cost is what this backend is measured by, so the common case takes
+        the fewest steps: a reduction mpcomm runs itself, already seen for this dtype; a tensor ``Tensor.numpy()``
+        takes as it is; nothing pending on the lane. Then it runs here; else None (``allreduce`` goes on)."""
+        tensor = tensors[0]
+        red = direct_reduction((hash(opts.reduceOp), tensor.dtype))  # (a ReduceOp hashes to its op number)
+        if red is None:
+            return None
+        try:
+            array = tensor.numpy()
+        except (TypeError, RuntimeError, AttributeError):  # bfloat16, requires_grad, sparse, ...: the long way
+            return None
+        if not self._lane.enter():
+            return None
+        return self._run_here("allreduce", tensors, self.comm.allreduce, array, red.name, self.algorithm)
 
     def _allreduce_gathered(self, array: np.ndarray, red: Reduction) -> None:
         """A reduction mpcomm does not run itself (bitwise ops): gather every rank's array, reduce in rank order."""

@@ -84,6 +84,8 @@ class Reduction:
 
 
 _CACHE: dict = {}  # (op number, dtype) -> Reduction: what every call needs, decided once per pair
+_DIRECT: dict = {}  # the same, for the reductions mpcomm's collectives run themselves (no local step)
+direct_reduction = _DIRECT.get  # (op number, dtype) -> Reduction, or None when not (yet) known to be direct
 
 
 def reduction(op, dtype: torch.dtype, operation: str) -> Reduction:
@@ -114,6 +116,8 @@ def reduction(op, dtype: torch.dtype, operation: str) -> Reduction:
     else:
         raise NotImplementedError(f"mpcomm backend: {operation} with reduce op {name} is not supported")
     _CACHE[key] = found
+    if found.local is None:
+        _DIRECT[key] = found
     return found
 
 
