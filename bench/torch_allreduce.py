@@ -16,6 +16,10 @@ numpy asks the kernel for transparent huge pages for large arrays; torch's CPU a
 starts). Large all-reduces on 4 KiB pages run markedly slower here (TLB misses in MPI's copies and the
 reductions), so the report says which the tensors had; ``mpcomm`` (numpy arrays) has huge pages either way.
 
+A second table splits the 8 B call into its layers, each timed the same way: raw ``Allreduce``;
+``Communicator.allreduce`` on a numpy array; on ``tensor.numpy()`` made per call (what the backend hands it); the
+group's ``allreduce`` method called directly (the backend's own cost added); ``dist.all_reduce`` (torch's).
+
 For each size, ``--rounds`` rounds; in each round every contender (order rotated from round to round, so load
 drift hits all alike) runs a block of calls after a barrier, the block's time being the slowest rank's. A block
 is ``--calls`` calls for 8 B and as many calls as fill about ``--budget`` seconds for the large sizes (counted on
@@ -80,6 +84,23 @@ def contenders(nbytes: int, gloo) -> dict:
     }
 
 
+def layers(nbytes: int) -> dict:
+    """The 8 B call's layers, cheapest first (see the module docstring)."""
+    count = max(1, nbytes // 4)
+    array, tensor = np.ones(count, dtype=np.float32), torch.ones(count, dtype=torch.float32)
+    group = dist.group.WORLD
+    comm = group.comm
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False  # what dist.all_reduce(t) passes
+    return {
+        "mpi4py Allreduce": lambda: WORLD.Allreduce(MPI.IN_PLACE, array, MPI.SUM),
+        "Communicator.allreduce(numpy)": lambda: comm.allreduce(array),
+        "Communicator.allreduce(tensor.numpy())": lambda: comm.allreduce(tensor.numpy(), "sum", "auto"),
+        "ProcessGroupMpcomm.allreduce": lambda: group.allreduce([tensor], opts),
+        "dist.all_reduce": lambda: dist.all_reduce(tensor),
+    }
+
+
 def block(call, n: int) -> float:
     """Seconds per call of ``n`` calls started together; the slowest rank's."""
     WORLD.Barrier()
@@ -97,8 +118,7 @@ def calls_per_block(call, nbytes: int, args) -> int:
     return WORLD.bcast(max(1, int(args.budget / per_call)) if WORLD.Get_rank() == 0 else None, root=0)
 
 
-def measure(nbytes: int, gloo, args) -> dict[str, list[float]]:
-    calls = contenders(nbytes, gloo)
+def measure(calls: dict, nbytes: int, args) -> dict[str, list[float]]:
     counts = {}
     for name, call in calls.items():
         block(call, 3)  # warm-up (plans, scratch buffers, connections)
@@ -143,6 +163,19 @@ def report(results: dict, p: int, args, load_before, load_after) -> str:
     return "\n".join(lines)
 
 
+def layer_table(times: dict) -> str:
+    """The 8 B call layer by layer: median (min) per call, and what each layer adds to the one before."""
+    lines = ["", "8 B, layer by layer (median, min in brackets; added: over the layer above, medians):", "",
+             "| layer | us per call | added us | x mpi4py |", "|---|---:|---:|---:|"]
+    previous, raw = None, float(np.median(next(iter(times.values()))))
+    for name, t in times.items():
+        med = float(np.median(t))
+        added = "" if previous is None else f"{(med - previous) * 1e6:+.2f}"
+        lines.append(f"| {name} | {med * 1e6:.2f} ({min(t) * 1e6:.2f}) | {added} | {med / raw:.2f} |")
+        previous = med
+    return "\n".join(lines + [""])
+
+
 def _human(nbytes: int) -> str:
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale and nbytes % scale == 0:
@@ -160,20 +193,22 @@ def main(argv=None) -> int:
     results = {}
     for size in args.sizes.split(","):
         nbytes = parse_size(size)
-        results[nbytes] = measure(nbytes, gloo, args)
+        results[nbytes] = measure(contenders(nbytes, gloo), nbytes, args)
         if WORLD.Get_rank() == 0:
             med = {n: np.median(t) * 1e6 for n, t in results[nbytes].items()}
             print(f"{_human(nbytes):>8}: " + "  ".join(f"{n} {v:.1f} us" for n, v in med.items()), flush=True)
+    breakdown = measure(layers(8), 8, args)
     dist.destroy_process_group()
     if WORLD.Get_rank() == 0:
-        text = report(results, WORLD.Get_size(), args, load_before, os.getloadavg())
+        text = report(results, WORLD.Get_size(), args, load_before, os.getloadavg()) + layer_table(breakdown)
         print(text)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({str(k): v for k, v in results.items()}, f, indent=1)
+                json.dump({"seconds_per_call": {str(k): v for k, v in results.items()}, "layers_8B": breakdown}, f,
+                          indent=1)
     return 0
 
 
