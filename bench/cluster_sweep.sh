@@ -47,10 +47,10 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg)
     echo "Reproduce with \`bench/cluster_sweep.sh\` (repository root). Generated $(date -u '+%Y-%m-%d %H:%M UTC') on"
     echo "$(nproc) cores ($(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)), $(uname -sr); links $RATE."
     echo "**Taken while other jobs shared the machine**: load average (1/5/15 min) before: $load_before, after:"
-    echo "$load_after, on $(nproc) cores. Every rank of every node runs on these cores, and the"
-    echo "all-reduce of a few hundred KiB, which takes well under a millisecond of CPU, here waits milliseconds for"
-    echo "the scheduler at each of its steps: the small sizes measure the load, not the algorithms (the same"
-    echo "algorithm timed twice in one run differs by up to 2x there). Repeat on a quiet machine for the record."
+    echo "$load_after, on $(nproc) cores (the cluster's own busy-polling ranks count too). Every rank of every node"
+    echo "runs on these cores: on a loaded machine each step of an all-reduce waits for the scheduler, which swamps"
+    echo "the sizes that need well under a millisecond of CPU (64 KiB-1 MiB; at load 9-12 the same algorithm timed"
+    echo "twice there differed by up to 2x). Repeat on a quiet machine for the record."
     echo
     echo "Commands:"
     echo
