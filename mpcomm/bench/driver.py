@@ -110,14 +110,16 @@ def calibrate(step: Callable[[], object], world: MPI.Comm, warmup: int, iters: i
 
     Trial blocks of 1, 4, 16, ... calls until one lasts CALIBRATION_SECONDS or reaches ``iters`` calls and at
     least ``warmup`` calls were made; the trials stop early where the next would pass half of ``budget``.
+    The per-call time is the least of the trials': barrier skew, a cold first call or a rank descheduled on a
+    shared machine only ever lengthen a trial, and a length chosen from an inflated time would be too short.
     ``warmup`` 0: no trial, blocks of ``iters`` calls.
     """
     if warmup <= 0:
         return iters, 0
-    calls, made, spent = 1, 0, 0.0
+    calls, made, spent, per_call = 1, 0, 0.0, float("inf")
     while True:
         elapsed = timed_block(step, world, calls)
-        made, spent = made + calls, spent + elapsed
+        made, spent, per_call = made + calls, spent + elapsed, min(per_call, elapsed / calls)
         settled = elapsed >= CALIBRATION_SECONDS or calls >= iters
         if settled and made >= warmup:
             break
@@ -125,7 +127,7 @@ def calibrate(step: Callable[[], object], world: MPI.Comm, warmup: int, iters: i
         if spent + elapsed * grown / calls > budget / 2:
             break
         calls = grown
-    return block_calls(elapsed / calls, iters, budget), made
+    return block_calls(per_call, iters, budget), made
 
 
 def memcpy_bandwidth(nbytes: int, world: MPI.Comm, budget: float = 0.05, reps: int = 20) -> float:
