@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import dtype_op_pairs
 from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY
 from mpcomm.bench import COLLECTIVES, busbw_factor, run
 from mpcomm.bench.base import RAW, count_wrong, rank_input, reference_reduce, sentinel_like, steady_input
-from mpcomm.bench.cli import DTYPES, REDOPS, parse_size
+from mpcomm.bench.cli import DTYPES, parse_size
 from mpcomm.bench.driver import BLOCK_SECONDS, block_calls, calibrate, sizes
 from mpcomm.bench.report import plot
-from mpcomm.buffers import check_dtype_op
 
 CONTRACT_KEYS = {"size", "count", "dtype", "op", "algorithm", "time_us", "algbw", "busbw", "wrong"}
 QUICK = ["-b", "8", "-e", "2K", "-f", "16", "-w", "1", "-n", "2", "--check"]
@@ -250,15 +250,7 @@ def _as_python(value, complex_: bool):
     return int(value)
 
 
-def _supported(dtype: str, redop: str) -> bool:
-    try:
-        check_dtype_op(np.dtype(DTYPES[dtype]), redop, "allreduce")
-    except TypeError:
-        return False
-    return True
-
-
-SUPPORTED = [(d, r) for d in DTYPES for r in REDOPS if _supported(d, r)]
+SUPPORTED = [(str(d), op) for d, op in dtype_op_pairs()]  # the contract's dtype/op table, stated by conftest
 
 
 @pytest.mark.parametrize("p", [3, 4])
