@@ -32,6 +32,7 @@ from .transport import Transport, node_topology
 from .work import FutureWork, Work
 
 _BARRIER = Plan.barrier()
+FREE_AGREEMENT_SECONDS = 10.0  # at most this long free() waits for the other ranks (see Communicator.free)
 
 
 class Communicator:
@@ -69,7 +70,6 @@ class Communicator:
         # Made here, not on first use: Dup is collective, and starting a non-blocking collective must not block.
         self._async = Transport(mpi.Dup(), self.timeout, self.ranks_per_node)
         self._sync.progress_hook = self._async.progress_hook = self._p2p.progress  # (see mpcomm.p2p.Channels)
-        self._async.patient = True  # its waits share the process with the caller's computation
         self._executor: ThreadPoolExecutor | None = None
         self._inline: _InlineProgress | None = None
         self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
@@ -174,17 +174,37 @@ class Communicator:
         self._plans.clear()  # plans remember auto's choices
         return loaded
 
-    def free(self) -> None:
-        """Release the private MPI communicators and the progress thread (the wrapped comm stays).
-        Every later call raises ``MpcommError``."""
+    def free(self, failed: bool = False) -> bool:
+        """Release the private MPI communicators and the progress thread (the wrapped comm stays); every later
+        call raises ``MpcommError``. Collective, like ``MPI_Comm_free``: returns whether they were freed.
+
+        If a collective stopped midway or a message timed out on any rank, messages may still be in flight on
+        them, and MPI gives a freed communicator's context to the next one created, which could then match
+        them. So the ranks first agree (over the wrapped communicator, within the timeout, at most
+        ``FREE_AGREEMENT_SECONDS``) that none of them saw a failure; otherwise — or if a rank does not come —
+        the MPI communicators are left allocated. ``failed=True`` adds a failure this rank saw that the
+        Communicator could not (e.g. a protocol built on its point-to-point that gave up waiting).
+        """
         if self._unusable == _FREED:
-            return
+            return False
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._drain_deferred()
+        transports = (self._sync, self._async, self._p2p.envelopes, self._p2p.payloads)
+        failed_here = failed or self._unusable is not None or any(t.failed for t in transports)
         self._unusable = _FREED
+        mine, anyone = np.array([int(failed_here)], dtype=np.int8), np.ones(1, dtype=np.int8)
+        agreement = Transport(self.mpi, min(self.timeout, FREE_AGREEMENT_SECONDS))
+        try:
+            with agreement.running("free"):
+                agreement.wait([self.mpi.Iallreduce(mine, anyone, MPI.MAX)], agreement.others)
+        except (MpcommError, MPI.Exception):
+            return False  # a rank that did not come may be one that saw a failure
+        if anyone[0]:
+            return False
         for transport in (self._sync, self._p2p, self._async):
             transport.free()
+        return True
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto") -> Any:

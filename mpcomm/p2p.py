@@ -261,6 +261,7 @@ class RecvWork(Work):
                     except MPI.Exception:
                         pass
                     peers = channels.envelopes.others if self._src == MPI.ANY_SOURCE else (self._src,)
+                    channels.envelopes.failed = True
                     raise CommTimeoutError(self._describe(), peers, elapsed, limit, channels.rank, ON_TIMEOUT)
             channels.progress()
 

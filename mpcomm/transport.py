@@ -21,10 +21,10 @@ from .errors import CommTimeoutError, MpcommError
 
 # Spins of Testall before each poll also yields the core: ranks are often oversubscribed on small machines.
 _SPINS_BEFORE_YIELD = 32
-# A patient transport (the progress thread's) sleeps between polls once a wait has lasted _SPIN_SECONDS, for
-# _SLEEP_SHARE of the time waited so far (at most _MAX_SLEEP): the caller's thread computes meanwhile, and a
-# spinning progress thread would take its core (and the GIL) for as long as the wire is busy. Waking late by
-# a few percent of a wait that long is what it costs.
+# A wait in a thread other than the main one (a progress thread, a backend's worker) sleeps between polls once
+# it has lasted _SPIN_SECONDS, for _SLEEP_SHARE of the time waited so far (at most _MAX_SLEEP): the main thread
+# computes meanwhile, and a spinning background thread would take its core (and the GIL) for as long as the
+# wire is busy. Waking late by a few percent of a wait that long is what it costs.
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
 
 
@@ -52,7 +52,7 @@ class Transport:
         self.records: dict[tuple[str, str], list] = {}
         # Called while this transport waits: progress of point-to-point receives (see ``mpcomm.p2p.Channels``).
         self.progress_hook = None
-        self.patient = False  # sleep in long waits (the progress thread's transport: see _SLEEP_SHARE)
+        self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
 
     # ------------------------------------------------------------------ context for error messages
     def running(self, operation: str) -> "_Running":
@@ -119,6 +119,7 @@ class Transport:
     def _mpi_error(self, exc: MPI.Exception, statuses, peers, operation=None) -> MpcommError:
         """An MpcommError for an MPI failure, naming the failed requests' own errors (MPI_ERR_IN_STATUS only
         says "see the statuses")."""
+        self.failed = True
         failed = [f"with rank {peer}: {_error_text(status.Get_error())}"
                   for status, peer in zip(statuses, peers)
                   if status.Get_error() not in (MPI.SUCCESS, MPI.ERR_PENDING)]
@@ -197,7 +198,7 @@ class Transport:
         self._node = type(self)(node_comm, self.timeout)
         self._cross = type(self)(cross_comm, self.timeout)
         for sub in (self._node, self._cross):
-            sub.progress_hook, sub.patient = self.progress_hook, self.patient
+            sub.progress_hook = self.progress_hook
 
     def free(self) -> None:
         """Release the MPI communicators this transport owns."""
@@ -216,6 +217,7 @@ class Transport:
         deadline = start + timeout
         spins = 0
         hook = self.progress_hook
+        patient = threading.current_thread() is not threading.main_thread()
         while not (MPI.Request.Testall(requests, statuses) if statuses is not None else MPI.Request.Testall(requests)):
             if hook is not None:
                 hook()
@@ -224,7 +226,7 @@ class Transport:
                 continue
             spins = 0
             now = time.monotonic()
-            if self.patient and now - start > _SPIN_SECONDS:
+            if patient and now - start > _SPIN_SECONDS:
                 time.sleep(min(_MAX_SLEEP, _SLEEP_SHARE * (now - start)))
             else:
                 os.sched_yield()
@@ -235,6 +237,7 @@ class Transport:
                             request.Cancel()
                         except MPI.Exception:
                             pass
+                self.failed = True
                 raise CommTimeoutError(operation or self.operation, peers, now - start, timeout, self.rank,
                                        self.on_timeout)
 

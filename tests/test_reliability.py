@@ -443,6 +443,32 @@ def test_work_wait_timeout_on_a_running_operation():
         c.free()
 
 
+def test_free_keeps_the_mpi_communicators_when_any_rank_saw_a_failure():
+    """free() is collective: the ranks agree whether any of them saw a failure (here only the ranks that waited
+    for a silent one did). If so none frees its MPI communicators (MPI would give their contexts to the next
+    communicator, which could match the messages left in flight), and a Communicator made next works; a clean
+    one is freed everywhere."""
+    if P < 2:
+        pytest.skip("needs a silent rank")
+    failing, clean = Communicator(WORLD, timeout=1.0), Communicator(WORLD, timeout=5.0)
+
+    def run():
+        if RANK != P - 1:
+            with pytest.raises(CommTimeoutError):
+                failing.allreduce(np.ones(2**16), algorithm="ring")
+        return failing.free(), clean.free()
+
+    outcomes = run_gathered(run)
+    fresh = Communicator(WORLD, timeout=10.0)
+    try:
+        results = run_gathered(lambda: [fresh.allreduce(np.full(2**16, RANK + 1.0), algorithm="ring")
+                                        for _ in range(5)])
+    finally:
+        fresh.free()
+    assert outcomes == [(False, True)] * P, outcomes
+    assert all((r == P * (P + 1) / 2).all() for rank_results in results for r in rank_results)
+
+
 def test_use_after_free_is_an_mpcomm_error():
     c = Communicator(WORLD, timeout=5.0)
     c.free()

@@ -104,7 +104,8 @@ def _to_keys(floats, op: str):
     """In place: the floats become integers that sort as the floats do, NaN the extreme that ``op`` picks."""
     bits = floats.view(_KEYS[floats.dtype])
     magnitude = np.iinfo(bits.dtype).max  # every bit but the sign
-    np.copyto(bits, -1 if op == MIN else magnitude, where=np.isnan(floats))  # -1: a NaN with the sign bit set
+    if math.isnan(floats.dot(floats)):  # any NaN? (cheaper than isnan on small arrays)
+        np.copyto(bits, -1 if op == MIN else magnitude, where=np.isnan(floats))  # -1: a NaN with the sign bit set
     bits ^= (bits >> (8 * bits.itemsize - 1)) & magnitude  # negative floats count down (its own inverse)
     return bits
 

@@ -28,7 +28,6 @@ BACKEND = "mpcomm"
 _TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
 _MONITOR_TAGS = min(0x10000, (_TAG_UB + 1) // 2)
 _MONITOR_TAG = _TAG_UB + 1 - _MONITOR_TAGS
-_SHUTDOWN_AGREEMENT_SECONDS = 10.0  # how long shutdown waits for the group's ranks to agree (see shutdown)
 
 
 class ProcessGroupMpcomm(dist.ProcessGroup):
@@ -594,14 +593,14 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         A failure leaves messages behind: a barrier that timed out on one rank has sent to peers that never
         received. The MPI library recycles a freed communicator's context id, so a communicator made later could
         match those messages and return wrong data. So if any rank saw a failure, or the ranks do not all arrive
-        here within ``_SHUTDOWN_AGREEMENT_SECONDS``, the communicators are left allocated (with a warning)."""
+        here in time (``Communicator.free``), the communicators are left allocated (with a warning)."""
         self._lane.close()
         if self.comm is None:
             return
         comm, owned, self.comm, self._owned = self.comm, self._owned, None, None
-        if owned is not None and _all_clean(owned, self._failed, min(comm.timeout, _SHUTDOWN_AGREEMENT_SECONDS)):
-            comm.free()
-            owned.Free()
+        if comm.free(failed=self._failed):  # the ranks agree that nothing failed
+            if owned is not None:
+                owned.Free()
             return
         warnings.warn(f"mpcomm backend: process group {self._group_name!r} is shut down without freeing its MPI "
                       "communicators: some of its communication failed, or not every rank of the group shut it "
@@ -614,19 +613,6 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
 
 # ---------------------------------------------------------------------------------------------- helpers
 _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-
-
-def _all_clean(owned: MPI.Comm, failed: bool, seconds: float) -> bool:
-    """True when every rank of ``owned`` says it saw no failure, within ``seconds`` (a non-blocking all-reduce on
-    the group's own communicator, which carries no other traffic after the Communicator is made)."""
-    mine, anyone = np.array([int(failed)], dtype=np.int32), np.zeros(1, dtype=np.int32)
-    request = owned.Iallreduce(mine, anyone, op=MPI.MAX)
-    deadline = time.monotonic() + seconds
-    while not request.Test():
-        if time.monotonic() > deadline:
-            return False  # the request stays with the communicator, which is not freed
-        time.sleep(0.0002)
-    return anyone[0] == 0
 
 
 def _seconds_or(timeout, default: float) -> float:
