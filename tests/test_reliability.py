@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -74,6 +75,20 @@ def test_special_values_match_numpy_and_agree_bitwise(comm, algorithm, dtype, op
     expected = numpy_reduce([x for x, _ in everyone], op)
     # NaN == NaN here (compared as float32: numpy's testing does not know bfloat16's NaN)
     np.testing.assert_array_equal(results[0].astype(np.float32), expected.astype(np.float32), err_msg=label)
+
+
+@pytest.mark.parametrize("op", ["min", "max", "sum"])
+@pytest.mark.parametrize("count", [4, 1000])
+def test_native_adds_no_numpy_warnings_for_large_values(comm, count, op):
+    """The NaN checks around native must not warn about the user's data (squares of 1e20 overflow float32)."""
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return comm.allreduce(np.full(count, 1e20 * (RANK + 1), np.float32), op=op, algorithm="native")
+
+    results = run_gathered(run)
+    assert_bitwise_equal(results)
 
 
 @pytest.mark.parametrize("op", ["min", "max"])
