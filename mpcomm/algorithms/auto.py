@@ -240,12 +240,36 @@ class CostModel:
         alpha = self.alpha_native if algorithm == "native" else self.alpha_py
         a, b = self._link(layout.num_nodes > 1, alpha)
         lg = math.ceil(math.log2(p))
+        if operation in ("reduce", "all_to_all", "all_to_all_v"):
+            return self._rooted_or_personalized(operation, algorithm, float(nbytes), p, lg, a, b)
         steps = {"ring": p - 1, "ring_pipelined": p - 1, "rhd": lg, "tree": lg, "native": lg}
         if algorithm not in steps:
             return math.inf
         moved = nbytes * (lg if operation == "broadcast" and algorithm == "tree" else (p - 1) / p)
         reduce = (p - 1) / p * nbytes * self.gamma if operation == "reduce_scatter" else 0.0
         return steps[algorithm] * a + moved * b + reduce
+
+
+    def _rooted_or_personalized(self, operation: str, algorithm: str, n: float, p: int, lg: int, a: float,
+                                b: float) -> float:
+        """reduce (n: the vector) and all-to-all (n: one rank's send buffer, p blocks of n/p).
+
+        reduce: the binomial tree moves the whole vector in each of log p rounds; Rabenseifner's moves
+        2(p-1)/p of it in 2 log p; MPICH's native picks between the two by size (as the min here).
+        all-to-all: pairwise sends each block once in p-1 rounds; Bruck sends half the buffer in each of
+        log p rounds (and, per-peer counts, exchanges the counts first); MPICH's native uses Bruck for small
+        blocks and pairwise exchanges for large ones (the min here), byte terms scaled as for its all-reduce.
+        """
+        scale = self.native_byte_scale if algorithm == "native" else 1.0
+        if operation == "reduce":
+            tree = lg * (a + scale * n * (b + self.gamma))
+            halving = 2 * lg * a + scale * (p - 1) / p * n * (2 * b + self.gamma)
+            return {"tree": tree, "rhd": halving, "native": min(tree, halving)}.get(algorithm, math.inf)
+        pairwise = (p - 1) * a + scale * (p - 1) / p * n * b
+        bruck = lg * a + scale * lg * n / 2 * (b + self.beta)  # + packing each round's half buffer
+        if operation == "all_to_all_v":
+            bruck += lg * a  # the counts' all-gather
+        return {"pairwise": pairwise, "bruck": bruck, "native": min(pairwise, bruck)}.get(algorithm, math.inf)
 
 
 @dataclass
