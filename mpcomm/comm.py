@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from . import p2p, staging
 from .algorithms.auto import Selector
+from .algorithms.chunks import count_matrix
 from .buffers import AVG, SUM, as_input, as_output, check_dtype_op, flat, reduce_op, same_device, wire_dtype
 from .errors import CollectiveMismatchError, ConfigError, MpcommError
 from .p2p import ANY_SOURCE, Status
@@ -410,14 +411,13 @@ class Communicator:
             raise ValueError(f"all_to_all_v: rank {self.rank} sends itself {send_counts[self.rank]} elements but "
                              f"expects {recv_counts[self.rank]}")
         plan = self._plan("all_to_all_v", send, None, algorithm)
-        extra = np.array(send_counts + recv_counts, dtype=np.int64) if self.validate else None
         with _Flat(recv, recv.dtype) as out:
             self._run(t, plan, self._input(send, send.dtype, out), send_counts, _displs(send_counts), out,
-                      recv_counts, _displs(recv_counts), extra=extra)
+                      recv_counts, _displs(recv_counts), counts=(send_counts, recv_counts))
         return recvbuf
 
     # ------------------------------------------------------------------ running a call
-    def _run(self, t: Transport, plan: Plan, *args, extra: np.ndarray | None = None) -> None:
+    def _run(self, t: Transport, plan: Plan, *args, counts: tuple | None = None) -> None:
         """Run ``plan`` on ``t``: refuse on an unusable communicator or a second thread, agree (validate=True),
         time the algorithm, record it; a failure midway makes the communicator unusable."""
         if self._unusable is not None:
@@ -430,7 +430,7 @@ class Communicator:
                 self._inline.run_until(None)
             t.operation = plan.label
             if self.validate:
-                self._agree(t, plan, extra)
+                self._agree(t, plan, counts)
             start = time.perf_counter()
             plan.fn(t, *args)
             elapsed = time.perf_counter() - start
@@ -469,10 +469,10 @@ class Communicator:
             self._unusable = message
         raise MpcommError(f"rank {self.rank}: {message}")
 
-    def _agree(self, t: Transport, plan: Plan, extra: np.ndarray | None) -> None:
+    def _agree(self, t: Transport, plan: Plan, counts: tuple | None) -> None:
         """validate=True: the ranks compare their calls' digests (the whole signature, any length); on a
-        difference every rank raises, listing what each passed. ``extra`` (all_to_all_v): the counts, checked
-        for consistency (what rank i sends rank j is what j expects from i)."""
+        difference every rank raises, listing what each passed. ``counts`` (all_to_all_v: send and receive
+        counts) are checked for consistency (what rank i sends rank j is what j expects from i)."""
         everyone = np.empty((self.size, plan.digest.size), dtype=np.uint8)
         t.wait([t.mpi.Iallgather(plan.digest, everyone)], t.others)
         if not (everyone == plan.digest).all():
@@ -480,15 +480,10 @@ class Communicator:
             described = "; ".join(f"rank {r}: {json.dumps(call, sort_keys=True)}" for r, call in enumerate(calls))
             raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: ranks disagree — "
                                           f"{described}")
-        if extra is not None:
-            counts = np.empty((self.size, extra.size), dtype=np.int64)
-            t.wait([t.mpi.Iallgather(extra, counts)], t.others)
-            sends, recvs = counts[:, : self.size], counts[:, self.size :]
-            if not (sends == recvs.T).all():
-                i, j = (int(x[0]) for x in np.nonzero(sends != recvs.T))
-                raise CollectiveMismatchError(
-                    f"rank {self.rank}: {plan.signature['operation']}: rank {i} sends {sends[i, j]} elements to "
-                    f"rank {j}, which expects {recvs[j, i]}")
+        if counts is not None:
+            _, problem = count_matrix(t, *counts)
+            if problem:
+                raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: {problem}")
 
     # ------------------------------------------------------------------ plans
     def _plan(self, operation: str, array, op, algorithm: str, root: int | None = None) -> Plan:

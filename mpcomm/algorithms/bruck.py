@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..transport import Transport
+from .chunks import count_matrix
 
 
 def _exchange(t: Transport, sendbuf, send_displs, recvbuf, recv_displs, count) -> None:
@@ -48,14 +49,8 @@ def all_to_all(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_co
 
 def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs) -> None:
     """Per-peer counts: agree on the count matrix first (ValueError on every rank if sends and receives differ)."""
-    mine = np.array(list(send_counts) + list(recv_counts), dtype=np.int64)
-    everyone = np.empty((t.size, mine.size), dtype=np.int64)
-    t.wait([t.mpi.Iallgather(mine, everyone)], t.others)
-    sends, recvs = everyone[:, : t.size], everyone[:, t.size :]
-    if not (sends == recvs.T).all():
-        i, j = (int(x[0]) for x in np.nonzero(sends != recvs.T))
-        raise ValueError(
-            f"all_to_all_v: rank {i} sends {sends[i, j]} elements to rank {j}, which expects {recvs[j, i]} "
-            "(send_counts on each rank must equal the matching recv_counts on its peers)"
-        )
+    sends, problem = count_matrix(t, send_counts, recv_counts)
+    if problem:
+        raise ValueError(f"all_to_all_v: {problem} (send_counts on each rank must equal the matching recv_counts "
+                         "on its peers)")
     _exchange(t, sendbuf, send_displs, recvbuf, recv_displs, lambda source, dest: int(sends[source, dest]))

@@ -1,5 +1,8 @@
-"""How a vector of n elements is cut into p contiguous chunks (the first n % p chunks one element longer)."""
+"""How a vector of n elements is cut into p contiguous chunks (the first n % p chunks one element longer), and
+how the ranks learn each other's per-peer counts."""
 from __future__ import annotations
+
+import numpy as np
 
 
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
@@ -21,3 +24,16 @@ def equal_bounds(count: int, p: int) -> list[tuple[int, int]]:
 def span(bounds: list[tuple[int, int]], first: int, last: int) -> slice:
     """The slice covering chunks first..last-1."""
     return slice(bounds[first][0], bounds[last - 1][1])
+
+
+def count_matrix(t, send_counts, recv_counts) -> tuple[np.ndarray, str | None]:
+    """Row i: what rank i sends each rank (one all-gather of 2p integers over transport ``t``), and the first
+    inconsistency — rank i sending rank j another count than j expects from i — described, or None."""
+    mine = np.array(list(send_counts) + list(recv_counts), dtype=np.int64)
+    everyone = np.empty((t.size, mine.size), dtype=np.int64)
+    t.wait([t.mpi.Iallgather(mine, everyone)], t.others)
+    sends, recvs = everyone[:, : t.size], everyone[:, t.size :]
+    if (sends == recvs.T).all():
+        return sends, None
+    i, j = (int(x[0]) for x in np.nonzero(sends != recvs.T))
+    return sends, f"rank {i} sends {sends[i, j]} elements to rank {j}, which expects {recvs[j, i]}"
