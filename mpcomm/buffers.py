@@ -176,3 +176,44 @@ def flat(array):
 def byte_view(array):
     """The bytes of a contiguous 1-D array, the form every message takes on the wire."""
     return array.view(np.uint8)
+
+
+class NoBuffer:
+    """``with`` stand-in for :class:`WorkArray` where a rank has no buffer (the non-roots of a rooted collective)."""
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+class WorkArray:
+    """A contiguous 1-D work array in the wire dtype for ``array``, written back on exit if it is a copy."""
+
+    def __init__(self, array, dtype):
+        self.array, self.dtype = array, np.dtype(dtype)
+
+    @staticmethod
+    def read(array, dtype):
+        """Contiguous 1-D ``array`` in ``dtype``: a view when the bytes allow it, else a copy."""
+        return WorkArray._convert(array, dtype)[0]
+
+    @staticmethod
+    def _convert(array, dtype):
+        view = flat(array)
+        if view is not None and view.dtype == dtype:
+            return view, False
+        if view is not None and view.dtype == np.bool_ and dtype == np.uint8:  # bool reduces as uint8
+            return view.view(dtype), False
+        # A fresh C-ordered copy: reshape(-1) alone may return a strided view (e.g. of a[::2]), not a copy.
+        return array.astype(dtype, order="C").reshape(-1), True
+
+    def __enter__(self):
+        self.work, self.copied = self._convert(self.array, self.dtype)
+        return self.work
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and self.copied:
+            self.array[...] = self.work.reshape(self.array.shape).astype(self.array.dtype, copy=False)
+        return False

@@ -24,13 +24,24 @@ from mpi4py import MPI
 from . import p2p, staging
 from .algorithms.auto import Selector
 from .algorithms.chunks import count_matrix
-from .buffers import AVG, SUM, as_input, as_output, check_dtype_op, flat, reduce_op, same_device, wire_dtype
+from .buffers import (
+    AVG,
+    SUM,
+    NoBuffer,
+    WorkArray,
+    as_input,
+    as_output,
+    check_dtype_op,
+    reduce_op,
+    same_device,
+    wire_dtype,
+)
 from .errors import CollectiveMismatchError, ConfigError, MpcommError
 from .p2p import ANY_SOURCE, Status
 from .plan import Plan
 from .settings import Settings, agree
 from .transport import Transport, node_topology
-from .work import FutureWork, Work
+from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
 
 _BARRIER = Plan.barrier()
 FREE_AGREEMENT_SECONDS = 10.0  # at most this long free() waits for the other ranks (see Communicator.free)
@@ -72,7 +83,7 @@ class Communicator:
         self._async = Transport(mpi.Dup(), self.timeout, self.ranks_per_node)
         self._sync.progress_hook = self._async.progress_hook = self._p2p.progress  # (see mpcomm.p2p.Channels)
         self._executor: ThreadPoolExecutor | None = None
-        self._inline: _InlineProgress | None = None
+        self._inline: InlineProgress | None = None
         self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
         self._plans: dict = {}
         self.selector = Selector.default(self)
@@ -337,14 +348,14 @@ class Communicator:
                     return
         array = as_output(buf, "allreduce")
         plan = self._plan("allreduce", array, op, algorithm)
-        with _Flat(array, plan.wire) as work:
+        with WorkArray(array, plan.wire) as work:
             self._run(t, plan, work, plan.rop)
 
     def _reduce_scatter(self, t: Transport, sendbuf, recvbuf, op, algorithm):
         send, recv = as_input(sendbuf, "reduce_scatter"), as_output(recvbuf, "reduce_scatter")
         self._check_pair("reduce_scatter", send, recv, send.size, recv.size * self.size, "sendbuf", "size * recvbuf")
         plan = self._plan("reduce_scatter", recv, op, algorithm)
-        with _Flat(recv, plan.wire) as out:
+        with WorkArray(recv, plan.wire) as out:
             self._run(t, plan, self._input(send, plan.wire, out), out, plan.rop)
         return recvbuf
 
@@ -352,14 +363,14 @@ class Communicator:
         send, recv = as_input(sendbuf, "all_gather"), as_output(recvbuf, "all_gather")
         self._check_pair("all_gather", send, recv, recv.size, send.size * self.size, "recvbuf", "size * sendbuf")
         plan = self._plan("all_gather", send, None, algorithm)
-        with _Flat(recv, recv.dtype) as out:
+        with WorkArray(recv, recv.dtype) as out:
             self._run(t, plan, self._input(send, send.dtype, out), out)
         return recvbuf
 
     def _broadcast(self, t: Transport, buf, root, algorithm):
         array = as_output(buf, "broadcast")
         plan = self._plan("broadcast", array, None, algorithm, root=root)
-        with _Flat(array, array.dtype) as work:
+        with WorkArray(array, array.dtype) as work:
             self._run(t, plan, work, root)
         return buf
 
@@ -367,7 +378,7 @@ class Communicator:
         send = as_input(sendbuf, "reduce")
         plan = self._plan("reduce", send, op, algorithm, root=root)
         recv = self._root_buffer("reduce", recvbuf, "recvbuf", root, send, send.size)
-        with _Flat(recv, plan.wire) if recv is not None else _NoBuffer() as out:
+        with WorkArray(recv, plan.wire) if recv is not None else NoBuffer() as out:
             self._run(t, plan, self._input(send, plan.wire, out), out, plan.rop, root)
         return recvbuf
 
@@ -375,7 +386,7 @@ class Communicator:
         send = as_input(sendbuf, "gather")
         plan = self._plan("gather", send, None, algorithm, root=root)
         recv = self._root_buffer("gather", recvbuf, "recvbuf", root, send, send.size * self.size)
-        with _Flat(recv, send.dtype) if recv is not None else _NoBuffer() as out:
+        with WorkArray(recv, send.dtype) if recv is not None else NoBuffer() as out:
             self._run(t, plan, self._input(send, send.dtype, out), out, root)
         return recvbuf
 
@@ -383,7 +394,7 @@ class Communicator:
         recv = as_output(recvbuf, "scatter")
         plan = self._plan("scatter", recv, None, algorithm, root=root)
         send = self._root_buffer("scatter", sendbuf, "sendbuf", root, recv, recv.size * self.size, output=False)
-        with _Flat(recv, recv.dtype) as out:
+        with WorkArray(recv, recv.dtype) as out:
             self._run(t, plan, None if send is None else self._input(send, recv.dtype, out), out, root)
         return recvbuf
 
@@ -396,7 +407,7 @@ class Communicator:
         counts = (send.size // self.size,) * self.size
         displs = _displs(counts)
         plan = self._plan("all_to_all", send, None, algorithm)
-        with _Flat(recv, recv.dtype) as out:
+        with WorkArray(recv, recv.dtype) as out:
             self._run(t, plan, self._input(send, send.dtype, out), counts, displs, out, counts, displs)
         return recvbuf
 
@@ -411,7 +422,7 @@ class Communicator:
             raise ValueError(f"all_to_all_v: rank {self.rank} sends itself {send_counts[self.rank]} elements but "
                              f"expects {recv_counts[self.rank]}")
         plan = self._plan("all_to_all_v", send, None, algorithm)
-        with _Flat(recv, recv.dtype) as out:
+        with WorkArray(recv, recv.dtype) as out:
             self._run(t, plan, self._input(send, send.dtype, out), send_counts, _displs(send_counts), out,
                       recv_counts, _displs(recv_counts), counts=(send_counts, recv_counts))
         return recvbuf
@@ -541,10 +552,10 @@ class Communicator:
 
         run = staging.on_stream(staging.caller_stream(), run)
         if self._executor is None and self._inline is None:
-            if self._progress == "thread" and _progress_thread_allowed():
+            if self._progress == "thread" and progress_thread_allowed():
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mpcomm-progress-{self.rank}")
             else:
-                self._inline = _InlineProgress()
+                self._inline = InlineProgress()
         if self._inline is not None:
             return self._inline.submit(run, self._async)
         return FutureWork(self._executor.submit(run, self._async), operation, self._others(), self.rank)
@@ -622,7 +633,7 @@ class Communicator:
     def _input(self, array, dtype, output):
         """``array`` as a contiguous 1-D input in ``dtype``, copied when it is not already or when it shares
         memory with ``output`` (the algorithms, and MPI, need distinct input and output buffers)."""
-        data = _Flat.read(array, dtype)
+        data = WorkArray.read(array, dtype)
         if output is not None and data.size and np.may_share_memory(data, output):
             data = data.copy()
         return data
@@ -652,116 +663,3 @@ def _check_counts(operation: str, name: str, counts, size: int, available: int, 
 def _displs(counts: tuple[int, ...]) -> tuple[int, ...]:
     """Where each block starts when the blocks are laid out one after another."""
     return tuple(int(x) for x in np.cumsum((0,) + counts[:-1]))
-
-
-_warned_thread_level = False
-
-
-def _progress_thread_allowed() -> bool:
-    """A progress thread needs MPI_THREAD_MULTIPLE (the main thread keeps calling MPI); otherwise warn (once)
-    and run non-blocking collectives inside ``wait()``."""
-    global _warned_thread_level
-    level = MPI.Query_thread()
-    if level >= MPI.THREAD_MULTIPLE:
-        return True
-    if not _warned_thread_level:
-        _warned_thread_level = True
-        names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
-        warnings.warn(
-            f"mpcomm: MPI was initialized with MPI_THREAD_{names.get(level, level)}, not MPI_THREAD_MULTIPLE, so "
-            "iallreduce/ireduce_scatter/iall_gather cannot run on a progress thread; they run inside wait() "
-            "(or is_completed(), or the next blocking collective) instead, in issue order, and do not overlap "
-            "with computation. Initialize MPI with THREAD_MULTIPLE (mpi4py's default) to overlap.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return False
-
-
-class _InlineProgress:
-    """Non-blocking collectives that run on the calling thread when waited on, oldest first."""
-
-    def __init__(self):
-        self._queue: list[_DeferredWork] = []
-
-    def submit(self, body, transport: Transport) -> "_DeferredWork":
-        work = _DeferredWork(self, body, transport)
-        self._queue.append(work)
-        return work
-
-    def run_until(self, work: "_DeferredWork | None") -> None:
-        """Run queued operations in issue order up to and including ``work`` (all of them for None)."""
-        while self._queue and (work is None or not work.done):
-            self._queue.pop(0).run()
-
-
-class _DeferredWork(Work):
-    """A collective queued for progress on wait; its errors are raised by ``wait()``."""
-
-    def __init__(self, progress: _InlineProgress, body, transport: Transport):
-        self._progress, self._body, self._transport = progress, body, transport
-        self.done, self._result, self._error = False, None, None
-
-    def run(self) -> None:
-        try:
-            self._result = self._body(self._transport)
-        except Exception as exc:  # kept for wait(), like a Future
-            self._error = exc
-        self.done = True
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Run this operation (and those issued before it) here; each of their waits is bounded by ``timeout``
-        when given (it runs in this thread, so giving up stops it midway: the communicator becomes unusable)."""
-        if timeout is None or self.done:
-            self._progress.run_until(self)
-        else:
-            with self._transport.limited(timeout):
-                self._progress.run_until(self)
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def is_completed(self) -> bool:
-        self._progress.run_until(self)
-        return True
-
-
-class _NoBuffer:
-    """``with`` stand-in for ``_Flat`` where a rank has no buffer (the non-roots of a rooted collective)."""
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-class _Flat:
-    """A contiguous 1-D work array in the wire dtype for ``array``, written back on exit if it is a copy."""
-
-    def __init__(self, array, dtype):
-        self.array, self.dtype = array, np.dtype(dtype)
-
-    @staticmethod
-    def read(array, dtype):
-        """Contiguous 1-D ``array`` in ``dtype``: a view when the bytes allow it, else a copy."""
-        return _Flat._convert(array, dtype)[0]
-
-    @staticmethod
-    def _convert(array, dtype):
-        view = flat(array)
-        if view is not None and view.dtype == dtype:
-            return view, False
-        if view is not None and view.dtype == np.bool_ and dtype == np.uint8:  # bool reduces as uint8
-            return view.view(dtype), False
-        # A fresh C-ordered copy: reshape(-1) alone may return a strided view (e.g. of a[::2]), not a copy.
-        return array.astype(dtype, order="C").reshape(-1), True
-
-    def __enter__(self):
-        self.work, self.copied = self._convert(self.array, self.dtype)
-        return self.work
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None and self.copied:
-            self.array[...] = self.work.reshape(self.array.shape).astype(self.array.dtype, copy=False)
-        return False

@@ -1,12 +1,16 @@
-"""Handles of non-blocking operations: the ``Work`` interface (see ``mpcomm.p2p`` for isend/irecv) and the
-collectives running on a progress thread (iallreduce/ireduce_scatter/iall_gather)."""
+"""Handles of non-blocking operations: the ``Work`` interface (see ``mpcomm.p2p`` for isend/irecv), the
+collectives running on a progress thread (iallreduce, ireduce_scatter, …), and progress on wait for an MPI that
+cannot take calls from two threads."""
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from abc import ABC, abstractmethod
 from typing import Any
+
+from mpi4py import MPI
 
 from .errors import CommTimeoutError
 
@@ -47,3 +51,75 @@ class FutureWork(Work):
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+
+_warned_thread_level = False
+
+
+def progress_thread_allowed() -> bool:
+    """A progress thread needs MPI_THREAD_MULTIPLE (the main thread keeps calling MPI); otherwise warn (once)
+    and run non-blocking collectives inside ``wait()``."""
+    global _warned_thread_level
+    level = MPI.Query_thread()
+    if level >= MPI.THREAD_MULTIPLE:
+        return True
+    if not _warned_thread_level:
+        _warned_thread_level = True
+        names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        warnings.warn(
+            f"mpcomm: MPI was initialized with MPI_THREAD_{names.get(level, level)}, not MPI_THREAD_MULTIPLE, so "
+            "iallreduce/ireduce_scatter/iall_gather cannot run on a progress thread; they run inside wait() "
+            "(or is_completed(), or the next blocking collective) instead, in issue order, and do not overlap "
+            "with computation. Initialize MPI with THREAD_MULTIPLE (mpi4py's default) to overlap.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return False
+
+
+class InlineProgress:
+    """Non-blocking collectives that run on the calling thread when waited on, oldest first."""
+
+    def __init__(self):
+        self._queue: list[DeferredWork] = []
+
+    def submit(self, body, transport) -> "DeferredWork":
+        work = DeferredWork(self, body, transport)
+        self._queue.append(work)
+        return work
+
+    def run_until(self, work: "DeferredWork | None") -> None:
+        """Run queued operations in issue order up to and including ``work`` (all of them for None)."""
+        while self._queue and (work is None or not work.done):
+            self._queue.pop(0).run()
+
+
+class DeferredWork(Work):
+    """A collective queued for progress on wait; its errors are raised by ``wait()``."""
+
+    def __init__(self, progress: InlineProgress, body, transport):
+        self._progress, self._body, self._transport = progress, body, transport
+        self.done, self._result, self._error = False, None, None
+
+    def run(self) -> None:
+        try:
+            self._result = self._body(self._transport)
+        except Exception as exc:  # kept for wait(), like a Future
+            self._error = exc
+        self.done = True
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Run this operation (and those issued before it) here; each of their waits is bounded by ``timeout``
+        when given (it runs in this thread, so giving up stops it midway: the communicator becomes unusable)."""
+        if timeout is None or self.done:
+            self._progress.run_until(self)
+        else:
+            with self._transport.limited(timeout):
+                self._progress.run_until(self)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def is_completed(self) -> bool:
+        self._progress.run_until(self)
+        return True

@@ -14,7 +14,7 @@ import pytest
 from conftest import WORLD, assert_identical_across_ranks, assert_reduced, gather, in_step, make_input
 from mpi4py import MPI
 
-import mpcomm.comm
+import mpcomm.work
 from mpcomm import Communicator
 
 pytestmark = pytest.mark.mpi
@@ -151,8 +151,8 @@ def test_progress_while_the_caller_computes(monkeypatch, start):
 
 def test_thread_level_below_multiple_warns_once_and_falls_back(monkeypatch):
     monkeypatch.delenv("MPCOMM_PROGRESS", raising=False)
-    monkeypatch.setattr(mpcomm.comm.MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
-    monkeypatch.setattr(mpcomm.comm, "_warned_thread_level", False)
+    monkeypatch.setattr(mpcomm.work.MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
+    monkeypatch.setattr(mpcomm.work, "_warned_thread_level", False)
     first, second = Communicator(WORLD), Communicator(WORLD)
     with pytest.warns(RuntimeWarning, match="THREAD_SERIALIZED.*inside wait"):
         w1 = first.iallreduce(np.ones(3))
