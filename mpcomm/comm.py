@@ -309,7 +309,8 @@ class Communicator:
     def recv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Any:
         """Receive into ``buf`` from ``src`` (``ANY_SOURCE``: whoever sends) with ``tag`` (or ``ANY_TAG``);
         returns ``buf``. ``status``, if given, is filled with the matched source, tag and element count."""
-        return self.irecv(buf, src, tag, status).wait()
+        channels = self._channels("recv")
+        return p2p.recv(channels, self._payload_transport(channels, "recv", buf), buf, src, tag, status)
 
     def isend(self, buf: Any, dst: int, tag: int = 0) -> Work:
         channels = self._channels("send")

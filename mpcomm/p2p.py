@@ -166,10 +166,13 @@ class SendWork(Work):
 
     def wait(self, timeout: float | None = None) -> None:
         if not self._done:
-            t = self._payload_t or self._channels.envelopes
-            if type(t) is not Transport or not MPI.Request.Testall(self._requests):  # (a device wrapper's wait
-                peers = (self._dst,) * len(self._requests)                         # releases its staged copy)
-                t.wait(self._requests, peers, timeout=timeout, operation=_Lazy(self._describe))
+            t, requests = self._payload_t, self._requests
+            if t is None and len(requests) == 1 and requests[0].Test():  # a small message, already gone
+                self._done = True
+                return
+            t = t or self._channels.envelopes  # (a device wrapper's wait releases its staged copy)
+            if type(t) is not Transport or not MPI.Request.Testall(requests):
+                t.wait(requests, (self._dst,) * len(requests), timeout=timeout, operation=_Lazy(self._describe))
             self._done, self._keep = True, None
 
     def _describe(self) -> str:
@@ -184,11 +187,17 @@ class SendWork(Work):
 
 
 # ---------------------------------------------------------------------------------------------- receiving
-def irecv(channels: Channels, payload_t, buf, src=ANY_SOURCE, tag=ANY_TAG, status: Status | None = None):
+def recv(channels: Channels, payload_t, buf, src=ANY_SOURCE, tag=ANY_TAG, status: Status | None = None):
+    """``irecv(...).wait()``; the receive is not registered for other waits to open (this thread opens it)."""
+    return irecv(channels, payload_t, buf, src, tag, status, register=False).wait()
+
+
+def irecv(channels: Channels, payload_t, buf, src=ANY_SOURCE, tag=ANY_TAG, status: Status | None = None,
+          register: bool = True):
     """Start receiving into ``buf``; on completion raises if the sender's size or dtype differ.
 
     ``src``/``tag`` may be ``ANY_SOURCE``/``ANY_TAG``; the Work's ``source``/``tag`` (and ``status``) tell what
-    was matched.
+    was matched. ``register=False`` only for a receive waited on at once by the calling thread (:func:`recv`).
     """
     src = check_peer(channels.size, src, "source", "recv", wildcard=True)
     tag = check_tag(tag, "recv", wildcard=True)
@@ -198,7 +207,9 @@ def irecv(channels: Channels, payload_t, buf, src=ANY_SOURCE, tag=ANY_TAG, statu
     envelope = np.empty(_ENVELOPE_BYTES, dtype=np.uint8)
     work = RecvWork(channels, payload_t, channels.envelopes.mpi.Irecv(envelope, src, tag), envelope, buf, array,
                     src, tag, status)
-    channels.register(work)
+    work._registered = register
+    if register:
+        channels.register(work)
     return work
 
 
@@ -208,7 +219,7 @@ class RecvWork(Work):
     def __init__(self, channels, payload_t, request, envelope, buf, array, src, tag, status):
         self._channels, self._payload_t, self._request, self._envelope = channels, payload_t, request, envelope
         self._buf, self._array, self._src, self._tag, self._status = buf, array, src, tag, status
-        self._opened = False
+        self._opened, self._registered = False, True
         self._payload: MPI.Request | None = None
         self._target = None
         self._done = False
@@ -220,7 +231,7 @@ class RecvWork(Work):
         if not self._done and self._error is None:
             limit = self._channels.envelopes.timeout if timeout is None else timeout
             start = time.monotonic()
-            if not self._opened:
+            if not self._opened and (self._registered or not self._try_open()):
                 self._wait_opened(start, limit)
             if self._payload is not None and self._error is None:
                 peers = (self.source,)
@@ -244,9 +255,14 @@ class RecvWork(Work):
     def _wait_opened(self, start: float, limit: float) -> None:
         """Until this receive's envelope is opened (by this thread or another's progress), within ``limit`` s."""
         channels, spins = self._channels, 0
+        own = not self._registered  # nobody else opens this one
+        if own:
+            self._try_open()
         channels.progress()
         while not self._opened:
             spins += 1
+            if own:
+                self._try_open()
             if spins < _SPINS_BEFORE_YIELD:
                 channels.progress()
                 continue
@@ -300,8 +316,13 @@ class RecvWork(Work):
         if sequence == _INLINE:
             if nbytes:
                 inline = self._envelope[_HEADER.size : _HEADER.size + nbytes]
-                flat = self._target.reshape(-1).view(np.uint8)
-                flat[...] = inline if type(flat) is np.ndarray else _to_device(inline)
+                target = self._target
+                if type(target) is not np.ndarray:
+                    target.reshape(-1).view(np.uint8)[...] = _to_device(inline)
+                elif target.dtype.kind in "biufc":  # formats memoryview knows: its copy is the cheapest
+                    memoryview(target).cast("B")[:] = memoryview(inline)
+                else:
+                    target.reshape(-1).view(np.uint8)[...] = inline
             self._finish()
             return
         self._payload = self._payload_t.irecv(self._target.reshape(-1), self.source, sequence)
