@@ -12,6 +12,12 @@ broadcasts the table, so every rank holds the same one. The table is plain JSON:
                                                "seconds": {"ring": [...], ...},
                                                "fit": {"ring": {"alpha": s, "beta": s_per_byte}, ...}}}}}
 
+Every operation with an algorithm choice can be tuned (``operations=``: allreduce, reduce_scatter, all_gather,
+broadcast, reduce, gather, scatter, all_to_all, all_to_all_v); a size is the byte count ``Communicator`` asks
+``auto`` about for that operation: the vector (allreduce, broadcast, reduce), the whole buffer of p blocks
+(reduce_scatter, all_gather, gather, scatter) or one rank's send buffer of p blocks (all-to-all; all_to_all_v is
+timed with equal counts). Sizes that round to the same element counts are measured once.
+
 ``python -m mpcomm.tuning --out FILE`` (under mpiexec) tunes COMM_WORLD and saves the table;
 ``python -m mpcomm.tuning --crossovers`` prints the cost model's choices for 64..4096 ranks.
 """
@@ -43,7 +49,7 @@ def tune(comm, sizes=DEFAULT_SIZES, repeats: int = 5, operations=("allreduce",),
     }
     for operation in operations:
         names = [a for a in REGISTRY[operation] if algorithms is None or a in algorithms]
-        per_rank = [_count(operation, s, dtype, comm.size) for s in sizes]
+        per_rank = sorted({_count(operation, s, dtype, comm.size) for s in sizes})
         nbytes = [count * dtype.itemsize * _factor(operation, comm.size) for count in per_rank]
         seconds = np.array([_median_times(comm, operation, names, n, dtype, repeats) for n in nbytes]).T
         comm.allreduce(seconds, op="max", algorithm="native")
@@ -105,9 +111,14 @@ def _check(comm, sizes, repeats, operations, algorithms) -> None:
         raise ValueError(f"tune: unknown algorithm(s) {sorted(set(algorithms) - known)}; known: {sorted(known)}")
 
 
+# The operations whose selector bytes are p blocks: the whole buffer (Communicator._plan plans these on one
+# rank's block and asks about size times its bytes) or, for all-to-all, one rank's send buffer of p blocks.
+_BLOCKS = ("reduce_scatter", "all_gather", "gather", "scatter", "all_to_all", "all_to_all_v")
+
+
 def _factor(operation: str, size: int) -> int:
     """How many per-rank counts make up the message bytes the selector is asked about."""
-    return size if operation in ("reduce_scatter", "all_gather") else 1
+    return size if operation in _BLOCKS else 1
 
 
 def _count(operation: str, nbytes: int, dtype: np.dtype, size: int) -> int:
@@ -115,19 +126,43 @@ def _count(operation: str, nbytes: int, dtype: np.dtype, size: int) -> int:
 
 
 def _runner(comm, operation: str, algorithm: str, nbytes: int, dtype: np.dtype):
+    """One call of ``operation`` with ``algorithm`` on zeros whose selector bytes are ``nbytes`` (root 0)."""
     count = nbytes // dtype.itemsize // _factor(operation, comm.size)
     op = "max" if dtype == np.bool_ else "sum"
+    p, on_root = comm.size, comm.rank == 0
+
+    def zeros(n: int, here: bool = True):
+        return np.zeros(n, dtype) if here else None  # None: a buffer only the root uses
+
     if operation == "allreduce":
-        buf = np.zeros(count, dtype)
+        buf = zeros(count)
         return lambda: comm.allreduce(buf, op=op, algorithm=algorithm)
     if operation == "reduce_scatter":
-        send, recv = np.zeros(count * comm.size, dtype), np.zeros(count, dtype)
+        send, recv = zeros(count * p), zeros(count)
         return lambda: comm.reduce_scatter(send, recv, op=op, algorithm=algorithm)
     if operation == "all_gather":
-        send, recv = np.zeros(count, dtype), np.zeros(count * comm.size, dtype)
+        send, recv = zeros(count), zeros(count * p)
         return lambda: comm.all_gather(send, recv, algorithm=algorithm)
-    buf = np.zeros(count, dtype)
-    return lambda: comm.broadcast(buf, root=0, algorithm=algorithm)
+    if operation == "broadcast":
+        buf = zeros(count)
+        return lambda: comm.broadcast(buf, root=0, algorithm=algorithm)
+    if operation == "reduce":
+        send, recv = zeros(count), zeros(count, on_root)
+        return lambda: comm.reduce(send, recv, op=op, root=0, algorithm=algorithm)
+    if operation == "gather":
+        send, recv = zeros(count), zeros(count * p, on_root)
+        return lambda: comm.gather(send, recv, root=0, algorithm=algorithm)
+    if operation == "scatter":
+        send, recv = zeros(count * p, on_root), zeros(count)
+        return lambda: comm.scatter(send, recv, root=0, algorithm=algorithm)
+    if operation == "all_to_all":
+        send, recv = zeros(count * p), zeros(count * p)
+        return lambda: comm.all_to_all(send, recv, algorithm=algorithm)
+    if operation == "all_to_all_v":
+        send, recv, counts = zeros(count * p), zeros(count * p), [count] * p
+        return lambda: comm.all_to_all_v(send, counts, recv, counts, algorithm=algorithm)
+    raise NotImplementedError(f"tune: mpcomm.tuning cannot time {operation!r} yet (registered in REGISTRY, but "
+                              "_runner has no call for it)")
 
 
 def _median_times(comm, operation, algorithms, nbytes, dtype, repeats, block_seconds: float = 5e-3) -> list[float]:
@@ -158,22 +193,33 @@ def _median_times(comm, operation, algorithms, nbytes, dtype, repeats, block_sec
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mpcomm.tuning", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="save the measured table to this JSON file (MPCOMM_TUNING_FILE reads it)")
-    parser.add_argument("--operations", default="allreduce", help="comma-separated, e.g. allreduce,reduce_scatter")
+    parser.add_argument("--operations", default="allreduce",
+                        help=f"comma-separated, from: {', '.join(REGISTRY)} (default allreduce)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_SIZES[-1])
     parser.add_argument("--crossovers", action="store_true", help="print the cost model's choices for 64..4096 ranks")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="for --crossovers")
     args = parser.parse_args(argv)
+    operations = tuple(name.strip() for name in args.operations.split(",") if name.strip())
+    unknown = [name for name in operations if name not in REGISTRY]
+    if unknown or not operations:
+        parser.error(f"--operations: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'none given'}; "
+                     f"choose from {', '.join(REGISTRY)}")
     if args.crossovers:
         print_crossovers(ranks_per_node=args.ranks_per_node)
         return
+    sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
+    if not sizes:
+        parser.error(f"--max-bytes {args.max_bytes} is below the smallest size measured ({DEFAULT_SIZES[0]})")
     from .comm import Communicator
 
     comm = Communicator()
-    sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
-    comm.tune(sizes=sizes, repeats=args.repeats, operations=tuple(args.operations.split(",")))
-    if args.out:
-        comm.save_tuning(args.out)
+    try:
+        comm.tune(sizes=sizes, repeats=args.repeats, operations=operations)
+        if args.out:
+            comm.save_tuning(args.out)
+    finally:
+        comm.free()
 
 
 if __name__ == "__main__":

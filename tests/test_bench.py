@@ -108,10 +108,11 @@ def test_check_path_is_warning_free_for_every_dtype_and_op(redops):
 
 @pytest.mark.mpi
 @pytest.mark.filterwarnings("error")
-@pytest.mark.parametrize("operation", ["allreduce", "reduce_scatter"])
-def test_check_every_dtype_and_redop(operation):
+@pytest.mark.parametrize("operation, algorithms", [("allreduce", "ring,rhd,native"),
+                                                   ("reduce_scatter", "ring,rhd,native"), ("reduce", "tree,rhd,native")])
+def test_check_every_dtype_and_redop(operation, algorithms):
     rows, _ = bench("--op", operation, "--dtype", "all", "--redop", "all", "-b", "24", "-e", "24", "-w", "0", "-n", "1",
-                    "--check", "--algorithms", "ring,rhd,native")
+                    "--check", "--algorithms", algorithms, "--root", str(MPI.COMM_WORLD.Get_size() - 1))
     assert {r["dtype"] for r in rows} >= {"float16", "bfloat16", "complex64", "uint8", "bool"}
     assert {r["op"] for r in rows} == {"sum", "prod", "min", "max", "avg"}
     bad = [r for r in rows if r["wrong"] != 0 or r["identical"] is False]
@@ -191,6 +192,110 @@ def test_vs_native_overhead_and_auto_rows():
     assert auto["resolved"] is None or auto["resolved"] in REGISTRY["allreduce"]
 
 
+# ---------------------------------------------------------------- reduce, gather, scatter, alltoall
+# nccl-tests' definitions (src/reduce.cu, gather.cu, scatter.cu, alltoall.cu): busbw factor, and whether "count" is
+# per rank (per peer for alltoall; "size" is then the full buffer: count * p elements) or the whole vector.
+NCCL_TESTS = {  # --op: (Communicator operation, busbw factor for p ranks, count per rank)
+    "reduce": ("reduce", lambda p: Fraction(1), False),
+    "gather": ("gather", lambda p: Fraction(p - 1, p), True),
+    "scatter": ("scatter", lambda p: Fraction(p - 1, p), True),
+    "alltoall": ("all_to_all", lambda p: Fraction(p - 1, p), True),
+}
+# where each operation's algorithms write their result: the index of the output among (t, *args)'s args
+_OUTPUT_ARG = {"reduce": 1, "gather": 1, "scatter": 1, "all_to_all": 3}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("operation", sorted(NCCL_TESTS))
+def test_rooted_and_alltoall_rows_json_and_what_ran(operation, tmp_path_factory):
+    """--op reduce|gather|scatter|alltoall at the last rank as root: one row per size for every registered
+    algorithm, auto and the raw mpi4py call, all checked right against numpy; nccl-tests' size, count and busbw;
+    --json writes the same rows; every row ran the Communicator's operation with the algorithm it names."""
+    world = MPI.COMM_WORLD
+    p, rank = world.Get_size(), world.Get_rank()
+    name, factor, per_rank = NCCL_TESTS[operation]
+    folder = world.bcast(str(tmp_path_factory.mktemp("bench")) if rank == 0 else None)
+    path = os.path.join(folder, f"{operation}.json")
+    comm = Communicator(world)
+    try:
+        rows, text = bench("--op", operation, "--root", str(p - 1), "-b", "8", "-e", "4K", "-f", "8", "-w", "1",
+                           "-n", "2", "--check", "--json", path, comm=comm)
+        ran = set(comm.stats().get(name, {}))
+    finally:
+        comm.free()
+    timed = sorted(REGISTRY[name]) + ["auto", RAW]
+    sizes = sorted({r["size"] for r in rows})
+    assert len(sizes) == 4 and len(rows) == len(sizes) * len(timed), [(r["size"], r["algorithm"]) for r in rows]
+    for size in sizes:
+        assert sorted(r["algorithm"] for r in rows if r["size"] == size) == sorted(timed), size
+    for row in rows:
+        assert CONTRACT_KEYS <= set(row), row
+        assert row["collective"] == operation and row["dtype"] == "float32", row
+        assert row["wrong"] == 0 and row["identical"] is None, row  # per-rank results: compared to numpy only
+        assert row["size"] == row["count"] * 4 * (p if per_rank else 1), row
+        assert row["busbw"] == pytest.approx(row["algbw"] * float(factor(p))), row
+        assert row["root"] == (None if operation == "alltoall" else p - 1), row
+    raw = [r for r in rows if r["algorithm"] == RAW]
+    assert all(r["overhead"] == pytest.approx(1.0) for r in raw), raw
+    assert ran == set(REGISTRY[name]), ran  # the fixed rows ran their own algorithms (auto's choice is one of them)
+    assert all(r["resolved"] in REGISTRY[name] for r in rows if r["algorithm"] == "auto"), rows
+    world.Barrier()
+    if rank == 0:
+        assert json.loads(Path(path).read_text()) == rows
+        assert f"MPI.Comm.{COLLECTIVES[operation].raw_call} straight from mpi4py" in text, text
+        assert "wrong elements in total: 0" in text, text
+        (dtype_line,) = [line for line in text.splitlines() if line.startswith("# dtype ")]
+        assert dtype_line.endswith(f"   root {p - 1}") == (operation != "alltoall"), dtype_line
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("operation", sorted(NCCL_TESTS))
+@pytest.mark.parametrize("size", ["8", "4K"])
+def test_auto_row_names_what_auto_ran(operation, size):
+    """The auto row's "resolved" is the algorithm the Communicator really ran for auto at that size (its stats),
+    so the row's size is the byte count the Communicator asks auto about."""
+    name = NCCL_TESTS[operation][0]
+    comm = Communicator(MPI.COMM_WORLD)
+    try:
+        rows, _ = bench("--op", operation, "--algorithms", "auto", "-b", size, "-e", size, "-w", "0", "-n", "1",
+                        "--rounds", "1", comm=comm)
+        ran = set(comm.stats()[name])
+    finally:
+        comm.free()
+    (auto,) = [r for r in rows if r["algorithm"] == "auto"]
+    assert ran == {"native", auto["resolved"]}, (ran, auto)  # native: the vs_native baseline, always timed
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("operation", sorted(NCCL_TESTS))
+def test_check_catches_a_broken_rooted_or_alltoall_algorithm(operation, monkeypatch):
+    """An algorithm that is native plus one wrong element on the last rank (the root) is counted: exactly one
+    wrong element in its row, none in native's."""
+    name = NCCL_TESTS[operation][0]
+    comm = Communicator(MPI.COMM_WORLD)  # built before "broken" exists, so its selector never picks it
+    native = REGISTRY[name]["native"]
+
+    def broken(t, *args):
+        native(t, *args)
+        out = args[_OUTPUT_ARG[name]]
+        if t.rank == t.size - 1:
+            out[-1] += 1
+
+    monkeypatch.setitem(REGISTRY[name], "broken", broken)
+    p = comm.size
+    try:
+        rows, text = bench("--op", operation, "--algorithms", "broken", "--root", str(p - 1), "-b", "64", "-e", "64",
+                           "-w", "0", "-n", "1", "--check", comm=comm)
+    finally:
+        comm.free()
+    by_algorithm = {r["algorithm"]: r for r in rows}
+    assert set(by_algorithm) == {RAW, "native", "broken"}
+    assert by_algorithm["native"]["wrong"] == 0 and by_algorithm[RAW]["wrong"] == 0
+    assert by_algorithm["broken"]["wrong"] == 1
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert "FAILED" in text
+
+
 # ---------------------------------------------------------------- pure parts (no communication)
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 8, 64])
 def test_busbw_factors(p):
@@ -199,6 +304,8 @@ def test_busbw_factors(p):
     assert busbw_factor("all_gather", p) == pytest.approx((p - 1) / p)
     assert busbw_factor("broadcast", p) == 1.0
     assert busbw_factor("sendrecv", p) == 1.0
+    for operation, (_, factor, _) in NCCL_TESTS.items():
+        assert busbw_factor(operation, p) == pytest.approx(float(factor(p))), operation
 
 
 def test_layout_follows_nccl_tests():
@@ -206,6 +313,12 @@ def test_layout_follows_nccl_tests():
     assert COLLECTIVES["allreduce"].layout(1000, 4, 3) == (250, 1000)
     assert COLLECTIVES["reduce_scatter"].layout(1000, 4, 3) == (83, 996)
     assert COLLECTIVES["all_gather"].layout(8, 8, 4) == (1, 32)  # at least one element per rank
+    # reduce: the whole vector; gather / scatter: count per rank; alltoall: count per peer block, size the send buffer
+    assert COLLECTIVES["reduce"].layout(1000, 4, 3) == (250, 1000)
+    assert COLLECTIVES["gather"].layout(1000, 4, 3) == (83, 996)
+    assert COLLECTIVES["scatter"].layout(1000, 4, 3) == (83, 996)
+    assert COLLECTIVES["alltoall"].layout(1000, 4, 3) == (83, 996)
+    assert COLLECTIVES["alltoall"].layout(8, 4, 4) == (1, 16)
 
 
 def test_sizes_and_suffixes():
@@ -303,7 +416,10 @@ def test_count_wrong_values():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--op", "alltoall"], "invalid choice"),
+    (["--op", "alltoallv"], "invalid choice"),
+    (["--op", "alltoall", "--algorithms", "ring"], "'ring' is not registered for alltoall"),
+    (["--op", "gather", "--algorithms", "rhd"], "'rhd' is not registered for gather"),
+    (["--op", "scatter", "--root", "99"], "out of range"),
     (["--algorithms", "bogus"], "'bogus' is not registered for allreduce"),
     (["--op", "broadcast", "--algorithms", "ring"], "'ring' is not registered for broadcast"),
     (["--op", "sendrecv", "--algorithms", "auto"], "'auto' is not registered for sendrecv"),
@@ -377,3 +493,22 @@ def test_run_main_aborts_the_job_when_one_rank_raises(tmp_path):
                           timeout=120)
     assert proc.returncode != 0
     assert "boom on rank one" in proc.stderr and "rank 1 of 2" in proc.stderr
+
+
+@pytest.mark.skipif(_under_mpiexec(), reason="launches mpiexec itself; run it in the serial pytest pass")
+def test_alltoall_sweep_script_at_toy_sizes(tmp_path):
+    """bench/alltoall_sweep.sh (the timed sweep behind the all-to-all figures) runs end to end at toy sizes and
+    writes per size every algorithm's time, auto's choice and its ratio to the best (auto_vs_best.py --times)."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "alltoall_sweep.sh"
+    env = dict(os.environ, OUT=str(tmp_path), MAXBYTES="64", RANKS="2", PYTHON=sys.executable, MPIEXEC=_mpiexec())
+    proc = subprocess.run([str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "alltoall_p2.json").read_text())
+    assert {r["size"] for r in rows} == {8, 32, 64} and all(r["wrong"] == 0 for r in rows), rows
+    report = (tmp_path / "alltoall.md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| size (B) |"))
+    for column in (f"{RAW} us", "native us", "pairwise us", "bruck us", "auto chose", "auto / best"):
+        assert column in header, header
+    table = [line for line in report.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert [int(line.split("|")[1]) for line in table] == [8, 32, 64], report
+    assert "--op alltoall -b 8 -e 64 -f 4" in report and "worst auto / best" in report, report

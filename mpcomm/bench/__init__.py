@@ -2,7 +2,7 @@
 
 One shared driver (``driver.py``: sweep, warm-up, timing, check; ``report.py``: table, JSON, plot;
 ``cli.py``: arguments) and one small file per collective (``allreduce.py``, ``reduce_scatter.py``,
-``all_gather.py``, ``broadcast.py``, ``sendrecv.py``).
+``all_gather.py``, ``broadcast.py``, ``reduce.py``, ``gather.py``, ``scatter.py``, ``alltoall.py``, ``sendrecv.py``).
 """
 from __future__ import annotations
 

@@ -6,14 +6,14 @@ from functools import partial
 
 import numpy as np
 
-from .base import RAW, Collective, sentinel_like
+from .base import RAW, DataMovement
 
 
-class AllGather(Collective):
+class AllGather(DataMovement):
     name = "all_gather"
     raw_call = "Allgather"
-    reduces = False
     per_rank_count = True
+    busbw_formula = "(p-1)/p"
 
     @staticmethod
     def busbw_factor(p: int) -> float:
@@ -23,17 +23,10 @@ class AllGather(Collective):
         self.send = self.input_of(self.rank)
         self.recv = np.zeros(self.count * self.p, self.dtype)
 
-    def fill(self, check: bool) -> None:
-        if check:
-            self.recv[...] = sentinel_like(self.expected())
-
     def call(self, algorithm: str):
         if algorithm == RAW:
             return partial(self.raw_comm.Allgather, self.send.view(np.uint8), self.recv.view(np.uint8))
         return partial(self.comm.all_gather, self.send, self.recv, algorithm=algorithm)
-
-    def result(self, algorithm: str):
-        return self.recv
 
     def compute_expected(self):
         return np.concatenate([self.input_of(r) for r in range(self.p)])

@@ -12,6 +12,7 @@ from .base import RAW, Collective, from_the_wire, wire_buffer, reference_reduce,
 class AllReduce(Collective):
     name = "allreduce"
     raw_call = "Allreduce(IN_PLACE)"
+    busbw_formula = "2(p-1)/p"
 
     @staticmethod
     def busbw_factor(p: int) -> float:

@@ -169,11 +169,14 @@ class Collective(ABC):
     everything else.
     """
 
-    name = ""
+    name = ""          # the --op name (nccl-tests' where it has one)
+    operation = ""     # the Communicator method and REGISTRY key, where it differs from ``name``
     raw_call = ""      # the mpi4py call timed as RAW, for the header
     reduces = True     # takes a reduction op
-    per_rank_count = False   # "count" is elements per rank and "size" the full buffer (reduce_scatter, all_gather)
+    rooted = False     # takes --root
+    per_rank_count = False   # "count" is elements per rank (per peer for alltoall) and "size" the full buffer
     replicated = True  # every rank ends with the same result (checked bitwise across ranks)
+    busbw_formula = ""  # busbw_factor as text, for the header
 
     @staticmethod
     @abstractmethod
@@ -181,11 +184,16 @@ class Collective(ABC):
         """nccl-tests' bus-bandwidth factor for p ranks."""
 
     @classmethod
+    def operation_name(cls) -> str:
+        """The name the Communicator, the algorithm registry and the ``auto`` selector know this operation by."""
+        return cls.operation or cls.name
+
+    @classmethod
     def algorithms(cls) -> list[str]:
         """The algorithm names the library has registered for this operation, plus "auto"."""
         from ..algorithms import REGISTRY
 
-        return list(REGISTRY.get(cls.name, {})) + ["auto"]
+        return list(REGISTRY.get(cls.operation_name(), {})) + ["auto"]
 
     @classmethod
     def layout(cls, nbytes: int, itemsize: int, p: int) -> tuple[int, int]:
@@ -213,6 +221,14 @@ class Collective(ABC):
         if self._expected is None:
             self._expected = self.compute_expected()
         return self._expected
+
+    def block(self, array: np.ndarray, index: int) -> np.ndarray:
+        """Block ``index`` of ``count`` elements of a buffer of ``p`` blocks (per-rank-count collectives)."""
+        return array[index * self.count:(index + 1) * self.count]
+
+    def nothing(self) -> np.ndarray:
+        """The result, and the expected result, of a rank that receives nothing (off the root)."""
+        return np.empty(0, self.dtype)
 
     # -- what subclasses define
     @abstractmethod
@@ -259,3 +275,18 @@ class Collective(ABC):
         """Whether every rank holds the same bytes (only meaningful where the result is replicated)."""
         digests = self.comm.mpi.allgather(digest(result))
         return all(d == digests[0] for d in digests)
+
+
+class DataMovement(Collective):
+    """A collective that only moves data from read-only inputs to ``self.recv`` (None on a rank that receives
+    nothing): the inputs are their own timing data, and the check poisons ``recv`` first."""
+
+    reduces = False
+    recv: np.ndarray | None = None
+
+    def fill(self, check: bool) -> None:
+        if check and self.recv is not None:
+            self.recv[...] = sentinel_like(self.expected())
+
+    def result(self, algorithm: str) -> np.ndarray:
+        return self.nothing() if self.recv is None else self.recv

@@ -12,6 +12,8 @@ class Broadcast(Collective):
     name = "broadcast"
     raw_call = "Bcast"
     reduces = False
+    rooted = True
+    busbw_formula = "1"
 
     @staticmethod
     def busbw_factor(p: int) -> float:

@@ -26,8 +26,6 @@ DTYPES = {str(d): d for d in SUPPORTED_DTYPES}
 _ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32",
             "double": "float64", "fp64": "float64", "int": "int32", "bool_": "bool"}
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
-_BUSBW_FORMULA = {"allreduce": "2(p-1)/p", "reduce_scatter": "(p-1)/p", "all_gather": "(p-1)/p",
-                  "broadcast": "1", "sendrecv": "1"}
 
 
 def parse_size(text: str) -> int:
@@ -102,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="FILE", help="write the rows as a JSON list of objects")
     parser.add_argument("--plot", metavar="FILE", help="write busbw vs size (PNG/SVG/PDF by extension; needs matplotlib)")
     parser.add_argument("--tune", action="store_true", help="call comm.tune() first (when this build has it)")
-    parser.add_argument("--root", type=_positive_int(0), default=0, help="broadcast root (default 0)")
+    parser.add_argument("--root", type=_positive_int(0), default=0,
+                        help="root of " + ", ".join(sorted(n for n, c in COLLECTIVES.items() if c.rooted))
+                             + " (default 0)")
     parser.add_argument("--ranks-per-node", type=_positive_int(1), default=None,
                         help="simulate nodes of this many consecutive ranks (Communicator(ranks_per_node=...))")
     parser.add_argument("--timeout", type=_positive_float, default=None,
@@ -147,7 +147,7 @@ def make_plan(parser: argparse.ArgumentParser, args: argparse.Namespace, world_s
         for redop in redops:
             if redop != "none":
                 try:
-                    check_dtype_op(dtype, redop, args.op)
+                    check_dtype_op(dtype, redop, cls.operation_name())
                 except TypeError as exc:
                     skipped.append(f"{dtype}/{redop}")
                     reasons.append(str(exc))
@@ -231,9 +231,10 @@ def tune(comm, plan: Plan) -> str:
         return "# --tune: this build's Communicator has no tune(); auto uses its default selector"
     from ..algorithms import REGISTRY
 
-    if plan.operation not in REGISTRY:
+    operation = COLLECTIVES[plan.operation].operation_name()
+    if operation not in REGISTRY:
         return f"# --tune: {plan.operation} has no algorithm choice; nothing to tune"
-    wanted = {"operations": (plan.operation,), "dtype": str(plan.combos[0][0]), "sizes": plan.sizes}
+    wanted = {"operations": (operation,), "dtype": str(plan.combos[0][0]), "sizes": plan.sizes}
     accepted = inspect.signature(comm.tune).parameters
     comm.tune(**{k: v for k, v in wanted.items() if k in accepted})
     return (f"# tuned: comm.tune() measured {plan.operation} ({wanted['dtype']}) at the sweep's sizes for the auto "
@@ -259,6 +260,8 @@ def describe(comm, args, plan: Plan, memcpy_gbps: float, memcpy_bytes: int) -> d
         "dtypes": list(dict.fromkeys(str(d) for d, _ in plan.combos)),
         "redops": list(dict.fromkeys(r for _, r in plan.combos)),
         "root": plan.root,
+        "rooted": cls.rooted,
+        "per_rank_count": cls.per_rank_count,
         "algorithms": timed_algorithms(plan.operation, plan.algorithms),
         "native_added": "native" in cls.algorithms() and "native" not in plan.algorithms,
         "raw_call": cls.raw_call,
@@ -273,7 +276,7 @@ def describe(comm, args, plan: Plan, memcpy_gbps: float, memcpy_bytes: int) -> d
         "check": plan.check,
         "memcpy_GBps": memcpy_gbps,
         "memcpy_bytes": memcpy_bytes,
-        "busbw_formula": _BUSBW_FORMULA[plan.operation],
+        "busbw_formula": cls.busbw_formula,
         "skipped": plan.skipped,
     }
 

@@ -33,13 +33,17 @@ from mpi4py import MPI
 
 from .all_gather import AllGather
 from .allreduce import AllReduce
+from .alltoall import AllToAll
 from .base import RAW, Collective
 from .broadcast import Broadcast
+from .gather import Gather
+from .reduce import Reduce
 from .reduce_scatter import ReduceScatter
+from .scatter import Scatter
 from .sendrecv import SendRecv
 
 COLLECTIVES: dict[str, type[Collective]] = {
-    c.name: c for c in (AllReduce, ReduceScatter, AllGather, Broadcast, SendRecv)
+    c.name: c for c in (AllReduce, ReduceScatter, AllGather, Broadcast, Reduce, Gather, Scatter, AllToAll, SendRecv)
 }
 
 GB = 1e9
@@ -48,7 +52,8 @@ CALIBRATION_SECONDS = 0.001  # a trial block this long measures the per-call tim
 
 
 def busbw_factor(operation: str, p: int) -> float:
-    """nccl-tests' bus-bandwidth factor: allreduce 2(p-1)/p, reduce_scatter/all_gather (p-1)/p, others 1."""
+    """nccl-tests' bus-bandwidth factor: allreduce 2(p-1)/p; reduce_scatter, all_gather, gather, scatter and
+    alltoall (p-1)/p; broadcast, reduce and sendrecv 1."""
     return COLLECTIVES[operation].busbw_factor(p)
 
 
@@ -257,9 +262,9 @@ def _row(plan, cls, comm, size, count, dtype, redop, algorithm, timing: Timing, 
         "dtype": str(dtype),
         "op": redop,
         "redop": redop,
-        "root": plan.root if plan.operation == "broadcast" else None,
+        "root": plan.root if cls.rooted else None,
         "algorithm": algorithm,
-        "resolved": resolved_algorithm(comm, plan.operation, size, dtype) if algorithm == "auto" else algorithm,
+        "resolved": resolved_algorithm(comm, cls.operation_name(), size, dtype) if algorithm == "auto" else algorithm,
         "time_us": seconds * 1e6,
         "algbw": algbw,
         "busbw": algbw * cls.busbw_factor(comm.size),

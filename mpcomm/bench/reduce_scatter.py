@@ -15,6 +15,7 @@ class ReduceScatter(Collective):
     raw_call = "Reduce_scatter_block"
     per_rank_count = True
     replicated = False
+    busbw_formula = "(p-1)/p"
 
     @staticmethod
     def busbw_factor(p: int) -> float:

@@ -29,7 +29,7 @@ def header_lines(meta: dict) -> list[str]:
         f"# mpi4py {meta['mpi4py']}, numpy {meta['numpy']}, python {meta['python']}",
         f"# ranks {meta['ranks']}   {nodes}",
         f"# dtype {','.join(meta['dtypes'])}   redop {','.join(meta['redops'])}"
-        + (f"   root {meta['root']}" if meta["operation"] == "broadcast" else ""),
+        + (f"   root {meta['root']}" if meta.get("rooted") else ""),
         f"# algorithms {','.join(meta['algorithms'])}   ({RAW}: MPI.Comm.{meta['raw_call']} straight from mpi4py, "
         "the overhead baseline" + ("; native always timed: the vs_native baseline)" if meta.get("native_added")
                                    else ")"),
@@ -41,7 +41,8 @@ def header_lines(meta: dict) -> list[str]:
         + f"; {meta['rounds']} round-robin rounds per point",
         f"# memcpy {meta['memcpy_GBps']:.2f} GB/s (numpy copy of {human_bytes(meta['memcpy_bytes'])} on rank 0): "
         "the intra-node physical ceiling",
-        "# size: bytes of the full buffer; count: elements (per rank for reduce_scatter / all_gather), as nccl-tests",
+        "# size: bytes of the full buffer; count: elements "
+        + ("per rank (per peer for alltoall)" if meta.get("per_rank_count") else "of the buffer") + ", as nccl-tests",
         "# time: median over rounds of (max over ranks of the mean per-call time); busbw = algbw * "
         f"{meta['busbw_formula']}",
         "# vs_native = native time / this time (>1: faster than native); "

@@ -10,14 +10,14 @@ from functools import partial
 
 import numpy as np
 
-from .base import RAW, Collective, sentinel_like
+from .base import RAW, DataMovement
 
 
-class SendRecv(Collective):
+class SendRecv(DataMovement):
     name = "sendrecv"
     raw_call = "Sendrecv"
-    reduces = False
     replicated = False
+    busbw_formula = "1"
 
     @staticmethod
     def busbw_factor(p: int) -> float:
@@ -32,18 +32,11 @@ class SendRecv(Collective):
         self.send = self.input_of(self.rank)
         self.recv = np.zeros(self.count, self.dtype)
 
-    def fill(self, check: bool) -> None:
-        if check:
-            self.recv[...] = sentinel_like(self.expected())
-
     def call(self, algorithm: str):
         if algorithm in ("native", RAW):
             return partial(self.raw_comm.Sendrecv, self.send.view(np.uint8), self.dst, 0, self.recv.view(np.uint8),
                            self.src, 0)
         return partial(self.comm.sendrecv, self.send, self.dst, self.recv, self.src)
-
-    def result(self, algorithm: str):
-        return self.recv
 
     def compute_expected(self):
         return self.input_of(self.src)
