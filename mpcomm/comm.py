@@ -10,6 +10,7 @@ and cached, so a training loop's repeated calls go straight from the argument ch
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -663,4 +664,4 @@ def _check_counts(operation: str, name: str, counts, size: int, available: int, 
 
 def _displs(counts: tuple[int, ...]) -> tuple[int, ...]:
     """Where each block starts when the blocks are laid out one after another."""
-    return tuple(int(x) for x in np.cumsum((0,) + counts[:-1]))
+    return tuple(itertools.accumulate(counts[:-1], initial=0))

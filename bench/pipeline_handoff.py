@@ -1,0 +1,92 @@
+"""Pipeline hand-off: how long a stage boundary costs when the receiving stage is waiting for it.
+
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 600 mpiexec -n 2 python bench/pipeline_handoff.py
+
+Two pipeline ranks (pp = 2) train a stack of TransformerMLPBlocks with 1F1B and the executor's trace on
+(``PipelineParallel.trace``: ``(label, t0, t1)`` of every compute action, send and wait, ``time.perf_counter``,
+one clock for every process of a host). A hand-off is the time from the end of the sender's compute of a
+micro-batch (forward of stage s, or backward of stage s+1) to the start of the receiver's compute on it, counted
+only when the receiver was already blocked waiting for that message — so it is the cost of the boundary itself
+(isend, the transfer, the receive completing, the executor's bookkeeping), not queueing behind other work.
+Reports the median and quartiles over every such hand-off of ``--steps`` steps (after ``--warmup``), and the
+payload of one message.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+import numpy as np
+from mpi4py import MPI
+
+from glibc_malloc import keep_freed_memory  # bench/glibc_malloc.py
+from mpcomm import Communicator
+from mpcomm.nn import SGD, transformer_mlp_stack
+from mpcomm.parallel.pipeline import PipelineParallel
+
+_ACTION = re.compile(r"^(WRECV_)?([FB])(\d+)\.(\d+)$")  # compute "F1.3"; waited receive "WRECV_F1.3"
+
+
+def handoffs(traces: list[list[tuple]]) -> list[float]:
+    """Seconds of every hand-off the receiver waited for, from the two ranks' traces of one step."""
+    compute, waits = {}, {}
+    for rank, trace in enumerate(traces):
+        for label, t0, t1 in trace:
+            match = _ACTION.match(label)
+            if match:
+                waited, kind, stage, mb = match.group(1), match.group(2), int(match.group(3)), int(match.group(4))
+                (waits if waited else compute)[(kind, stage, mb)] = (t0, t1)
+    out = []
+    for (kind, stage, mb), (wait_start, _) in waits.items():
+        producer = (kind, stage - 1, mb) if kind == "F" else (kind, stage + 1, mb)  # who computed the message
+        if producer not in compute or (kind, stage, mb) not in compute:
+            continue
+        sent_at = compute[producer][1]
+        if wait_start <= sent_at:  # the receiver was idle, waiting, when the sender finished
+            out.append(compute[(kind, stage, mb)][0] - sent_at)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--width", default="256x1024", help="d_model x d_hidden of each block")
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--mb-rows", type=int, default=64)
+    ap.add_argument("--layers-per-stage", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args(argv)
+    keep_freed_memory()
+    comm = Communicator(MPI.COMM_WORLD, timeout=120)
+    if comm.size != 2:
+        raise SystemExit("run with mpiexec -n 2 (one rank per pipeline stage)")
+    d_model, d_hidden = (int(x) for x in args.width.split("x"))
+    model = transformer_mlp_stack(2 * args.layers_per_stage, d_model, d_hidden, seed=0)
+    pipe = PipelineParallel(model, comm, args.micro_batches, schedule="1f1b")
+    opt = SGD(pipe.parameters(), lr=1e-4)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.micro_batches * args.mb_rows, d_model))
+    y = rng.standard_normal(x.shape)
+    gaps = []
+    for step in range(args.warmup + args.steps):
+        comm.barrier()
+        pipe.trace = []
+        pipe.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+        traces = comm.mpi.allgather(pipe.trace)
+        if step >= args.warmup:
+            gaps.extend(handoffs(traces))
+    if comm.rank == 0:
+        us = np.array(gaps) * 1e6
+        q1, median, q3 = np.percentile(us, [25, 50, 75])
+        print(f"pp = 2, 1f1b, {args.micro_batches} micro-batches of {args.mb_rows} x {d_model} float64 "
+              f"({args.mb_rows * d_model * 8 / 1024:.0f} KiB per message), width {args.width}, {args.steps} steps")
+        print(f"hand-offs the receiver waited for: {us.size}; median {median:.1f} us "
+              f"(quartiles {q1:.1f} - {q3:.1f} us, min {us.min():.1f} us)")
+    comm.free()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
