@@ -42,13 +42,13 @@ test-mpi: $(STAMP)
 # collects all of tests/ to select them: 32-53 s per run measured with the machine loaded (load average ~19).
 # `import torch` first, so that a broken install fails instead of turning the tests into skips.
 # Then FSDP2 x tensor parallelism on a 2 x 2 DeviceMesh (4 ranks), and PyTorch's own backend test class
-# DistributedTest._DistTestBase under 3 ranks (tests/torch/distributed_suite.py; expecttest is what torch's test
+# DistributedTest._DistTestBase under 3 ranks (tests/torch_backend/distributed_suite.py; expecttest is what torch's test
 # utilities import): the tests gloo passes, those gated on the name "gloo" run as if named so, and PyTorch's MPI-only
-# all-to-all tests (the lists in tests/torch/dist_suite_*.txt say how they were chosen).
+# all-to-all tests (the lists in tests/torch_backend/dist_suite_*.txt say how they were chosen).
 TORCH_SPEC ?= torch==2.13.0
 TORCH_TEST_DEPS ?= expecttest==0.3.0
-DIST_SUITE := tests/torch/distributed_suite.py --backend mpcomm --expect-pass --tests tests/torch/dist_suite_mpcomm.txt \
-	--gated gloo tests/torch/dist_suite_as_gloo.txt --gated mpi tests/torch/dist_suite_as_mpi.txt
+DIST_SUITE := tests/torch_backend/distributed_suite.py --backend mpcomm --expect-pass --tests tests/torch_backend/dist_suite_mpcomm.txt \
+	--gated gloo tests/torch_backend/dist_suite_as_gloo.txt --gated mpi tests/torch_backend/dist_suite_as_mpi.txt
 test-torch: $(STAMP)
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TORCH_TEST_DEPS)"
 	$(PY) -c "import torch, torch.distributed, expecttest"
@@ -56,7 +56,7 @@ test-torch: $(STAMP)
 	for n in 2 3; do \
 		timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi -m "mpi and torch" tests || exit 1; \
 	done
-	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PY) -m pytest -q --with-mpi -m mpi tests/torch/test_fsdp2_tp.py
+	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PY) -m pytest -q --with-mpi -m mpi tests/torch_backend/test_fsdp2_tp.py
 	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 3 $(PY) $(DIST_SUITE)
 
 # Multi-node tests on simulated clusters (ci/cluster.sh: a network namespace per node, tbf-shaped veth links; needs

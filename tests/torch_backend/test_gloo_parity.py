@@ -7,7 +7,7 @@ gloo and mpcomm may add in different orders from three ranks on (equal to roundi
 on one rank only (``reduce`` off the root) are compared there only. Strided (non-contiguous) tensors are left out:
 gloo all-reduces them wrongly (different results on different ranks); tests/test_torch_backend.py checks them.
 
-Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torch/test_gloo_parity.py`` (N >= 2).
+Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torch_backend/test_gloo_parity.py`` (N >= 2).
 """
 from __future__ import annotations
 

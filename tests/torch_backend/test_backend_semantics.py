@@ -3,7 +3,7 @@ group's collectives pair up in issue order whatever ``async_op`` each rank passe
 without being waited on, synchronous ones start no thread; and what it does beyond gloo (uneven all-gather,
 float8 data movement, sparse all-reduce, monitored barrier), each against an independent reference.
 
-Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torch/test_backend_semantics.py``.
+Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torch_backend/test_backend_semantics.py``.
 The single-process tests (the lane, the op table) run without ``-m mpi``.
 """
 from __future__ import annotations

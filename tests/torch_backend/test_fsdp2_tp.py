@@ -1,7 +1,7 @@
 """torch FSDP2 (``fully_shard``) and tensor parallelism x data parallelism on a 2-D ``init_device_mesh`` train on
 mpcomm to the same parameters as the same program on gloo, in the same job (rtol 1e-5).
 
-Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torch/test_fsdp2_tp.py``; FSDP2 at any
+Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torch_backend/test_fsdp2_tp.py``; FSDP2 at any
 N >= 2, the 2-D mesh (2 x 2) at N = 4 only (``make test-torch`` runs it there).
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ the environment, and a ``TestCase`` subclass that provides ``rank``/``world_size
 does, every test gets a fresh default process group (``init_process_group`` in ``setUp``, destroyed in
 ``tearDown``).
 
-    timeout 900 mpiexec -n 3 python tests/torch/distributed_suite.py --backend mpcomm [--tests FILE]
+    timeout 900 mpiexec -n 3 python tests/torch_backend/distributed_suite.py --backend mpcomm [--tests FILE]
         [--gated NAME FILE ...] [--json OUT] [--expect-pass]
 
 Many tests are gated on the backend's name (``BACKEND != "gloo"``: skip; ``BACKEND == "mpi"``: run the all-to-all
