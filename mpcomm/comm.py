@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import threading
 import time
 import warnings
@@ -45,6 +44,7 @@ from .transport import Transport, node_topology
 from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
 
 _BARRIER = Plan.barrier()
+_SPLIT = Plan.meeting("split")
 FREE_AGREEMENT_SECONDS = 10.0  # at most this long free() waits for the other ranks (see Communicator.free)
 
 
@@ -88,17 +88,18 @@ class Communicator:
         self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
         self._plans: dict = {}
         self.selector = Selector.default(self)
-        tuning_file = os.environ.get("MPCOMM_TUNING_FILE")
-        if tuning_file:
-            self.load_tuning(tuning_file, missing_ok=True)
+        if settings.tuning_file:
+            self.load_tuning(settings.tuning_file, missing_ok=True)
 
     # ------------------------------------------------------------------ basics
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, node {self.node_rank}/{self.node_size})"
 
     def split(self, color: int, key: int | None = None) -> "Communicator":
-        """A Communicator over ``MPI.Comm.Split(color, key)``, with this one's settings."""
-        self._refuse_if_freed("split")
+        """A Communicator over ``MPI.Comm.Split(color, key)``, with this one's settings. Collective; the ranks
+        first meet with the deadline (MPI_Comm_split has no non-blocking form), so a rank that never comes is a
+        CommTimeoutError, not a hang inside the split."""
+        self._run(self._sync, _SPLIT)
         sub = self.mpi.Split(color, self.rank if key is None else key)
         return Communicator(sub, timeout=self.timeout, validate=self.validate, ranks_per_node=self.ranks_per_node)
 
@@ -541,6 +542,7 @@ class Communicator:
     # ------------------------------------------------------------------ helpers
     def _share_from_root(self, obj, operation: str):
         """Rank 0's ``obj`` on every rank (pickled; waits bounded by the timeout, like every collective)."""
+        self._refuse_if_freed(operation)
         with self._sync.running(operation):
             return self._sync.bcast_object(obj, root=0)
 
@@ -549,6 +551,8 @@ class Communicator:
         (one worker, so operations run in issue order), or, when MPI cannot be called from two threads, to run
         inside ``wait()`` (progress on wait). The body runs on the caller's current CUDA stream (device buffers:
         see ``mpcomm.staging``)."""
+        self._refuse_if_freed(operation)
+
         def run(t):
             return self._checked(body, operation, *args, t=t)
 

@@ -25,7 +25,7 @@ from mpi4py import MPI
 from .buffers import SUPPORTED_DTYPES, as_input, as_output
 from .errors import CommTimeoutError, MpcommError
 from .transport import _SPINS_BEFORE_YIELD, Transport, _error_text
-from .work import Work
+from .work import Work, wait_timeout
 
 INLINE_BYTES = 4096
 ON_TIMEOUT = "the message was cancelled (point-to-point on this communicator keeps working)"
@@ -165,6 +165,8 @@ class SendWork(Work):
         self._done = False
 
     def wait(self, timeout: float | None = None) -> None:
+        if timeout is not None:
+            timeout = wait_timeout(timeout, "send: wait")
         if not self._done:
             t, requests = self._payload_t, self._requests
             if t is None and len(requests) == 1 and requests[0].Test():  # a small message, already gone
@@ -228,6 +230,8 @@ class RecvWork(Work):
         self.tag: int | None = None
 
     def wait(self, timeout: float | None = None):
+        if timeout is not None:
+            timeout = wait_timeout(timeout, "recv: wait")
         if not self._done and self._error is None:
             limit = self._channels.envelopes.timeout if timeout is None else timeout
             start = time.monotonic()

@@ -41,7 +41,12 @@ class Plan:
 
     @classmethod
     def barrier(cls) -> "Plan":
-        return cls._bare("barrier", {"operation": "barrier"}, _barrier)
+        return cls.meeting("barrier")
+
+    @classmethod
+    def meeting(cls, operation: str) -> "Plan":
+        """A barrier standing for ``operation`` (e.g. the meeting before a blocking ``MPI_Comm_split``)."""
+        return cls._bare(operation, {"operation": operation}, _barrier)
 
     @classmethod
     def rejected(cls, operation: str, error: Exception) -> "Plan":

@@ -30,6 +30,7 @@ class Settings:
     validate: bool = False
     ranks_per_node: int | None = None
     progress: str = "thread"  # non-blocking collectives: on a progress thread, or run inside wait()
+    tuning_file: str | None = None  # auto's table, loaded by the constructor (a collective: every rank or none)
 
     @classmethod
     def resolve(cls, timeout=None, validate=None, ranks_per_node=None) -> "Settings":
@@ -40,6 +41,7 @@ class Settings:
             ranks_per_node=(_positive_int(ranks_per_node, "ranks_per_node") if ranks_per_node is not None
                             else _env_positive_int("MPCOMM_RANKS_PER_NODE", "ranks_per_node")),
             progress=_env_choice("MPCOMM_PROGRESS", PROGRESS_MODES, default="thread"),
+            tuning_file=_env("MPCOMM_TUNING_FILE") or None,
         )
 
 
@@ -53,9 +55,18 @@ def agree(transport, settings: Settings | None, problem: str | None) -> None:
     differing = [name for name in Settings.__dataclass_fields__
                  if len({getattr(s, name) for _, s in everyone}) > 1]
     if differing:
-        described = "; ".join(f"{name}: " + ", ".join(f"rank {r} {getattr(s, name)!r}" for r, (_, s) in
-                                                       enumerate(everyone)) for name in differing)
+        described = "; ".join(f"{name} ({_SOURCES[name]}): " + ", ".join(f"rank {r} {getattr(s, name)!r}" for r, (_, s)
+                                                                      in enumerate(everyone)) for name in differing)
         raise ConfigError(f"Communicator: the ranks must agree on {', '.join(differing)} — {described}")
+
+
+_SOURCES = {  # where each setting comes from, for the error that says the ranks disagree
+    "timeout": "argument or MPCOMM_TIMEOUT",
+    "validate": "argument or MPCOMM_VALIDATE",
+    "ranks_per_node": "argument or MPCOMM_RANKS_PER_NODE",
+    "progress": "MPCOMM_PROGRESS",
+    "tuning_file": "MPCOMM_TUNING_FILE",
+}
 
 
 # ------------------------------------------------------------------------------------------ values

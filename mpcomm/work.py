@@ -3,6 +3,8 @@ collectives running on a progress thread (iallreduce, ireduce_scatter, …), and
 cannot take calls from two threads."""
 from __future__ import annotations
 
+import math
+import numbers
 import time
 import warnings
 from concurrent.futures import Future
@@ -27,6 +29,16 @@ class Work(ABC):
         """True once the operation is done; never blocks."""
 
 
+def wait_timeout(timeout, operation: str = "wait") -> float | None:
+    """``timeout`` of a ``wait()``: None (the communicator's own timeout bounds it) or a number of seconds >= 0;
+    anything else (NaN, negative, not a number) is a ValueError, never a wait that no deadline ends."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0 or math.isinf(timeout):
+        raise ValueError(f"{operation}: timeout must be None or a finite number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
+
+
 # What a wait(timeout) that gave up leaves behind: the operation goes on (its own deadline still bounds it).
 STILL_RUNNING = ("the operation is still running and the communicator stays usable; wait() again, or let the "
                  "communicator's own timeout end it")
@@ -40,6 +52,7 @@ class FutureWork(Work):
         self._start = time.monotonic()
 
     def wait(self, timeout: float | None = None) -> Any:
+        timeout = wait_timeout(timeout, f"{self._operation}: wait")
         try:
             return self._future.result(timeout)
         except FutureTimeout:
@@ -111,6 +124,7 @@ class DeferredWork(Work):
     def wait(self, timeout: float | None = None) -> Any:
         """Run this operation (and those issued before it) here; each of their waits is bounded by ``timeout``
         when given (it runs in this thread, so giving up stops it midway: the communicator becomes unusable)."""
+        timeout = wait_timeout(timeout)
         if timeout is None or self.done:
             self._progress.run_until(self)
         else:

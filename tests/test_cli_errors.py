@@ -64,6 +64,15 @@ USER_ERRORS = {
         ["-m", "mpcomm.train", "--engine", "ddp", "--steps", "1", "--global-batch", "12",
          "--json", f"{MISSING_DIR}/out.json"], "mpcomm-train", ["--json", MISSING_DIR]),
 }
+# Configuration errors found deep inside the engines: still one line, from one rank, exit 2.
+TRAIN_CONFIG_ERRORS = {
+    "global batch not divisible by dp": (["--engine", "ddp", "--global-batch", "7"], "must be divisible by dp"),
+    "layers do not split into stages": (["--engine", "pipeline", "--layers", "1"], "num_layers % (pp*virtual_stages)"),
+    "micro-batches do not divide the batch": (["--engine", "pipeline", "--micro-batches", "5"], "% micro_batches"),
+    "d_hidden not divisible by tp": (["--engine", "tp", "--d-hidden", "31"], "d_hidden % tp"),
+    "steps zero": (["--steps", "0"], "--steps must be >= 1"),
+    "lr nan": (["--lr", "nan"], "--lr must be positive"),
+}
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
@@ -71,6 +80,13 @@ USER_ERRORS = {
 def test_user_error_is_one_line_and_exit_2(case, ranks):
     argv, prog, fragments = USER_ERRORS[case]
     assert_one_line_error(launch(ranks, argv), prog, *fragments)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("case", list(TRAIN_CONFIG_ERRORS))
+def test_train_configuration_error_is_one_line(case, ranks):
+    argv, fragment = TRAIN_CONFIG_ERRORS[case]
+    assert_one_line_error(launch(ranks, ["-m", "mpcomm.train", *argv]), "mpcomm-train", fragment)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
@@ -119,6 +135,9 @@ def test_uncaught_mpcomm_error_in_a_plain_script_ends_the_job(tmp_path, ranks):
     elapsed = time.monotonic() - start
     detail = f"rc={proc.returncode} after {elapsed:.1f} s\n--- stderr\n{proc.stderr}"
     assert proc.returncode != 0, detail
+    # The script's timeout is 2 s: the job ends within timeout + 5 s, plus the launch of Python and MPI (up to
+    # ~4 s on a loaded 2-core machine).
+    assert elapsed < 2.0 + 5 + 8, detail
     assert proc.stderr.count("CommTimeoutError: rank 0: allreduce") == 1, detail  # printed once
     assert f"[mpcomm] rank 0 of {ranks}: uncaught CommTimeoutError; aborting the job" in proc.stderr, detail
 

@@ -147,30 +147,77 @@ def test_validate_catches_every_mismatch_on_every_algorithm(algorithm, case):
         assert (ok == P).all()
 
 
-@pytest.mark.parametrize("algorithm", OWN_ALLREDUCE)
-def test_own_algorithms_catch_size_mismatch_without_validate(algorithm):
-    """validate=False: mpcomm's own all-reduce algorithms still notice 1000 vs 1001 elements — every rank raises
-    an MpcommError (a byte-count error, or the timeout of a peer that stopped) within timeout + 5 s."""
+def _mismatched_call(c: Communicator, operation: str, algorithm: str, n: int):
+    """``operation`` with ``n`` elements per rank's block; returns this rank's output (None: a rooted sender)."""
+    kw = {"algorithm": algorithm}
+    one = np.full(n, RANK + 1.0, np.float32)
+    if operation == "allreduce":
+        return c.allreduce(one, **kw)
+    if operation == "reduce_scatter":
+        return c.reduce_scatter(np.ones(n * P, np.float32), np.empty(n, np.float32), **kw)
+    if operation == "all_gather":
+        return c.all_gather(one, np.empty(n * P, np.float32), **kw)
+    if operation == "broadcast":
+        return c.broadcast(np.full(n, 7.0, np.float32) if RANK == 0 else np.zeros(n, np.float32), root=0, **kw)
+    if operation == "reduce":
+        return c.reduce(one, np.empty(n, np.float32) if RANK == 0 else None, root=0, **kw)
+    if operation == "gather":
+        return c.gather(one, np.empty(n * P, np.float32) if RANK == 0 else None, root=0, **kw)
+    if operation == "scatter":
+        return c.scatter(np.ones(n * P, np.float32) if RANK == 0 else None, np.empty(n, np.float32), root=0, **kw)
+    send, out = np.ones(n * P, np.float32), np.empty(n * P, np.float32)
+    if operation == "all_to_all":
+        return c.all_to_all(send, out, **kw)
+    return c.all_to_all_v(send, [n] * P, out, [n] * P, **kw)
+
+
+def _is_right(operation: str, n: int, out) -> bool:
+    """Whether ``out`` is what this rank gets when every rank passes ``n`` elements (None: a rooted sender)."""
+    if out is None:
+        return True
+    blocks = operation in ("all_gather", "gather", "all_to_all", "all_to_all_v")
+    if out.size != (n * P if blocks else n):
+        return False
+    if operation in ("all_gather", "gather"):  # block q holds q + 1
+        return bool((out == np.repeat(np.arange(1.0, P + 1), n)).all())
+    want = {"allreduce": P * (P + 1) / 2, "reduce": P * (P + 1) / 2, "reduce_scatter": P, "broadcast": 7.0,
+            "scatter": 1.0, "all_to_all": 1.0, "all_to_all_v": 1.0}[operation]
+    return bool((out == want).all())
+
+
+OWN = [(op, alg) for op in REGISTRY for alg in sorted(REGISTRY[op]) if alg != "native"]
+
+
+@pytest.mark.parametrize("operation, algorithm", OWN, ids=[f"{o}-{a}" for o, a in OWN])
+def test_own_algorithms_catch_size_mismatch_without_validate(operation, algorithm):
+    """validate=False: every collective's own algorithms notice that the last rank passes one element more per
+    block (1001 vs 1000). Every rank raises (an MpcommError: a byte-count error, or the timeout of a peer that
+    stopped; Bruck's count exchange: ValueError) within timeout + 5 s, or — a rank whose output does not depend on
+    the mismatched one, e.g. a rooted collective's sender — returns the right result; never a wrong one, and the
+    mismatch is named somewhere (not only timeouts)."""
     if P < 2:
         pytest.skip("needs two ranks to disagree")
-    timeout = 1.5
-    c = Communicator(WORLD, timeout=timeout, ranks_per_node=2 if algorithm == "hierarchical" else None)
+    timeout, n = 1.5, 1000
+    c = Communicator(WORLD, timeout=timeout, ranks_per_node=1 if algorithm == "hierarchical" else None)
 
     def run():
         start = time.monotonic()
         try:
-            c.allreduce(np.ones(1001 if RANK == P - 1 else 1000, np.float32), algorithm=algorithm)
-        except MpcommError as exc:
-            return type(exc).__name__, time.monotonic() - start
-        return "completed", time.monotonic() - start
+            out = _mismatched_call(c, operation, algorithm, n + (RANK == P - 1))
+        except (MpcommError, ValueError) as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - start
+        return ("right" if _is_right(operation, n, out) else "WRONG"), "", time.monotonic() - start
 
     try:
         outcomes = run_gathered(run)
     finally:
         c.free()
-    for r, (outcome, elapsed) in enumerate(outcomes):
-        assert outcome != "completed", f"rank {r} completed an all-reduce of mismatched sizes"
-        assert elapsed < timeout + 5
+    for r, (outcome, message, elapsed) in enumerate(outcomes):
+        assert outcome != "WRONG", f"rank {r} returned a wrong result of a mismatched {operation}[{algorithm}]"
+        assert elapsed < timeout + 5, (r, outcome, elapsed, message)
+    assert outcomes[P - 1][0] != "right" or operation in ("reduce", "gather"), outcomes
+    assert any(o not in ("right", "CommTimeoutError") for o, _, _ in outcomes), \
+        f"only timeouts: the mismatch was never named: {outcomes}"
 
 
 @pytest.mark.parametrize("operation", ["reduce_scatter", "all_gather"])
@@ -292,6 +339,35 @@ def test_ranks_must_agree_on_settings(setting):
 
     for message in run_gathered(run):
         assert f"agree on {setting}" in message and "rank 0" in message and "rank 1" in message, message
+
+
+def test_tuning_file_on_some_ranks_only_is_an_error_on_every_rank(monkeypatch, tmp_path):
+    """MPCOMM_TUNING_FILE set on rank 0 only: the constructor's load_tuning is a collective. Unagreed, rank 0's
+    broadcast of the table was received by the others' next broadcast (25 instead of 12345 at p = 2, no error).
+    Now a ConfigError on every rank at construction, naming the variable and each rank's value."""
+    if P < 2:
+        pytest.skip("needs a rank without the variable")
+    monkeypatch.delenv("MPCOMM_TUNING_FILE", raising=False)
+    if RANK == 0:
+        monkeypatch.setenv("MPCOMM_TUNING_FILE", str(tmp_path / "no-such-table.json"))
+
+    def run():
+        start = time.monotonic()
+        try:
+            c = Communicator(WORLD, timeout=3.0)
+        except ConfigError as exc:
+            return "ConfigError", str(exc), time.monotonic() - start
+        try:
+            value = np.array([12345 if RANK == 0 else 0], np.int64)
+            c.broadcast(value, root=0, algorithm="native")
+            return ("right" if value[0] == 12345 else f"WRONG {value[0]}"), "", time.monotonic() - start
+        finally:
+            c.free()
+
+    for outcome, message, elapsed in run_gathered(run):
+        assert outcome == "ConfigError", outcome
+        assert "MPCOMM_TUNING_FILE" in message and "rank 0" in message and "rank 1 None" in message, message
+        assert elapsed < 3.0 + 5
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -484,20 +560,52 @@ def test_free_keeps_the_mpi_communicators_when_any_rank_saw_a_failure():
     assert all((r == P * (P + 1) / 2).all() for rank_results in results for r in rank_results)
 
 
-def test_use_after_free_is_an_mpcomm_error():
+def test_use_after_free_is_an_mpcomm_error(tmp_path):
+    """Every entry point after free() raises an MpcommError saying so (not mpi4py's "Invalid communicator", nor
+    the executor's "cannot schedule new futures after shutdown" once the progress thread has run)."""
     c = Communicator(WORLD, timeout=5.0)
+    c.iallreduce(np.ones(2)).wait()  # the progress thread exists
     c.free()
     c.free()  # twice is fine
     calls = {
         "allreduce": lambda: c.allreduce(np.ones(3)),
         "barrier": lambda: c.barrier(),
         "send": lambda: c.send(np.ones(3), 0),
+        "recv": lambda: c.recv(np.ones(3), 0),
         "irecv": lambda: c.irecv(np.ones(3), 0),
+        "sendrecv": lambda: c.sendrecv(np.ones(3), 0, np.ones(3), 0),
         "split": lambda: c.split(0),
+        "reduce": lambda: c.reduce(np.ones(3), np.ones(3), root=0),
+        "all_to_all_v": lambda: c.all_to_all_v(np.ones(P), [1] * P, np.ones(P), [1] * P),
+        "iallreduce": lambda: c.iallreduce(np.ones(3)).wait(),
+        "ibarrier": lambda: c.ibarrier().wait(),
+        "iall_gather": lambda: c.iall_gather(np.ones(1), np.ones(P)).wait(),
+        "load_tuning": lambda: c.load_tuning(str(tmp_path / "missing.json"), missing_ok=True),
     }
     for name, call in calls.items():
         with pytest.raises(MpcommError, match="freed"):
             call()
+
+
+@pytest.mark.parametrize("progress", ["thread", "wait"])
+@pytest.mark.parametrize("timeout", [math.nan, -1.0, "1", math.inf], ids=["nan", "negative", "str", "inf"])
+def test_work_wait_refuses_a_timeout_that_is_not_seconds(monkeypatch, progress, timeout):
+    """``wait(timeout=nan)`` waited forever on point-to-point (its deadline, start + nan, never came): every Work
+    refuses a timeout that is not a finite number of seconds >= 0 with a ValueError, and still completes after."""
+    monkeypatch.setenv("MPCOMM_PROGRESS", progress)
+    c = Communicator(WORLD, timeout=5.0)
+    big = 1 << 17  # float64 elements: a payload after the envelope
+    left, right = (RANK - 1) % P, (RANK + 1) % P
+    try:
+        works = {"irecv": c.irecv(np.empty(big), left), "isend": c.isend(np.ones(big), right),
+                 "iallreduce": c.iallreduce(np.ones(3))}
+        for name, work in works.items():
+            with pytest.raises(ValueError, match="timeout must be None or a finite number of seconds"):
+                work.wait(timeout=timeout)
+        works["isend"].wait()
+        assert (works["irecv"].wait() == 1).all() and (works["iallreduce"].wait() == P).all()
+    finally:
+        c.free()
 
 
 BAD_P2P = {  # name -> (call on comm c, words)
@@ -508,6 +616,9 @@ BAD_P2P = {  # name -> (call on comm c, words)
     "recv-bool-source": (lambda c: c.irecv(np.ones(2), True), "True"),
     "send-to-any-source": (lambda c: c.isend(np.ones(2), mpcomm.ANY_SOURCE), "ANY_SOURCE"),
     "broadcast-root-true": (lambda c: c.broadcast(np.ones(2), root=True), "root True"),
+    "reduce-root-true": (lambda c: c.reduce(np.ones(2), np.ones(2), root=True), "root True"),
+    "gather-root-true": (lambda c: c.gather(np.ones(2), np.ones(2 * P), root=True), "root True"),
+    "scatter-root-true": (lambda c: c.scatter(np.ones(2 * P), np.ones(2), root=np.True_), "root np.True_"),
     "broadcast-root-float": (lambda c: c.broadcast(np.ones(2), root=0.0), "root 0.0"),
 }
 

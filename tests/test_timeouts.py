@@ -165,6 +165,16 @@ def test_barrier_with_a_silent_rank_times_out(fresh):
     assert_every_waiting_rank_timed_out(with_silent_rank(fresh, lambda c, _: c.barrier()), ["barrier"])
 
 
+def test_split_with_a_silent_rank_times_out(fresh):
+    """MPI_Comm_split has no non-blocking form: the ranks meet with the deadline first, so the others do not stay
+    inside the split until rank 0 comes (they did: released only by rank 0's late call)."""
+    subs = []
+    silence = with_silent_rank(fresh, lambda c, _: subs.append(c.split(0)), lambda c: subs.append(c.split(0)))
+    for sub in subs:  # only where a broken deadline let the split through
+        sub.free()
+    assert_every_waiting_rank_timed_out(silence, ["split"])
+
+
 # ------------------------------------------------------------------------------------------ point to point
 def _release_sends(c: Communicator) -> None:
     for r in range(1, P):
