@@ -415,38 +415,50 @@ def test_bad_setting_is_a_config_error_on_every_rank(monkeypatch, case, only_ran
 
 
 # ------------------------------------------------------------------------------------------ threads
-def test_two_threads_on_one_communicator_never_give_a_wrong_result():
-    """Two threads run 100 ring all-reduces each on one Communicator: every call either returns the right sum
-    or raises MpcommError (the communicator refuses concurrent use and becomes unusable) — none is wrong."""
-    c = Communicator(WORLD, timeout=2.0)
-    outcomes = {"right": 0, "error": 0, "wrong": []}
-    lock = threading.Lock()
+def test_second_thread_during_a_collective_is_refused_and_nothing_is_wrong():
+    """Thread A is inside an all-reduce (ranks > 0 wait in it for rank 0, held back) when thread B calls one on
+    the same Communicator: B is refused at once with MpcommError, and A — whose call may now pair with the wrong
+    one elsewhere — raises too (the communicator became unusable). Rank 0, whose only call is A's, gets the
+    right sum. Before: 170 of 200 ring all-reduces from two threads returned wrong values with no error.
+    (Two threads that take turns without overlapping are the program's to order: see the README.)"""
+    if P < 2:
+        pytest.skip("needs a peer to hold the first call open")
+    c = Communicator(WORLD, timeout=10.0)
+    outcome = {}
 
-    def worker(scale):
-        for i in range(100):
-            buf = np.full(1000, float(scale * (RANK + 1)))
-            try:
-                c.allreduce(buf, algorithm="ring")
-            except MpcommError:
-                with lock:
-                    outcomes["error"] += 1
-                continue
-            with lock:
-                if (buf == scale * P * (P + 1) / 2).all():
-                    outcomes["right"] += 1
-                else:
-                    outcomes["wrong"].append((scale, i, float(buf[0])))
+    def thread_a():
+        buf = np.full(1000, RANK + 1.0)
+        try:
+            c.allreduce(buf, algorithm="ring")
+            outcome["A"] = "right" if (buf == P * (P + 1) / 2).all() else f"WRONG {buf[0]}"
+        except MpcommError as exc:
+            outcome["A"] = f"MpcommError: {exc}"
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in (1, 1000)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    go = [WORLD.irecv(source=r, tag=77) for r in range(1, P)] if RANK == 0 else None
+    a = threading.Thread(target=thread_a, name="A")
+    if RANK == 0:  # rank 0 joins only once every other rank's thread B has been refused
+        deadline = time.monotonic() + 30
+        while not all(r.Test() for r in go) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        a.start()
+    else:
+        a.start()
+        deadline = time.monotonic() + 30
+        while not c._sync.in_use.locked() and time.monotonic() < deadline:  # A is inside its collective
+            time.sleep(0.001)
+        try:
+            c.allreduce(np.ones(1000), algorithm="ring")
+            outcome["B"] = "completed"
+        except MpcommError as exc:
+            outcome["B"] = f"MpcommError: {exc}"
+        WORLD.send("refused", dest=0, tag=77)
+    a.join()
     c.free()
-    everyone = run_gathered(lambda: outcomes)
-    assert all(not o["wrong"] for o in everyone), everyone
-    if P > 1:
-        assert any(o["error"] for o in everyone), "two threads at once were never noticed"
+    everyone = run_gathered(lambda: outcome)
+    assert everyone[0] == {"A": "right"}, everyone
+    for r in range(1, P):
+        assert everyone[r]["B"].startswith("MpcommError") and "thread 'MainThread'" in everyone[r]["B"], everyone
+        assert everyone[r]["A"].startswith("MpcommError"), everyone
 
 
 def test_one_thread_after_another_is_fine(comm):
