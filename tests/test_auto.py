@@ -314,3 +314,42 @@ def test_ranks_per_core_is_measured_and_agreed(comm):
     assert ratio >= comm.node_size / (os.cpu_count() or 1) - 1e-12
     assert_identical_across_ranks(np.array([ratio]), "ranks_per_core")
     assert comm.selector.layout.ranks_per_core == max(1.0, ratio)
+
+
+# The model's per-byte slope, algorithm by algorithm, on one node, against the published alpha-beta-gamma costs
+# (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009 for the ring), n = the vector's bytes, lg = ceil(log2 p)
+# (a wrong per-byte term, e.g. the broadcast tree's bytes x 100, passed every other test of this file).
+def _textbook_slope(operation: str, algorithm: str, p: int, beta: float, gamma: float) -> float | None:
+    lg = math.ceil(math.log2(p))
+    share = (p - 1) / p
+    power_of_two = p & (p - 1) == 0
+    table = {
+        ("allreduce", "ring"): 2 * share * beta + share * gamma,
+        ("allreduce", "tree"): lg * (2 * beta + gamma),  # binomial reduce + broadcast of the whole vector
+        ("allreduce", "rhd"): share * (2 * beta + gamma) if power_of_two else None,
+        ("reduce_scatter", "ring"): share * (beta + gamma),
+        ("all_gather", "ring"): share * beta,
+        ("all_gather", "rhd"): share * beta,
+        ("broadcast", "tree"): lg * beta,
+        ("reduce", "tree"): lg * (beta + gamma),
+        ("reduce", "rhd"): share * (2 * beta + gamma),
+        ("all_to_all", "pairwise"): share * beta,
+    }
+    return table.get((operation, algorithm))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8, 64])
+def test_model_per_byte_costs_are_the_textbook_ones(p):
+    model, layout = CostModel(), Layout(p, (p,))
+    n = float(2**30)
+    checked = 0
+    for operation, algorithms in REGISTRY.items():
+        for algorithm in algorithms:
+            want = _textbook_slope(operation, algorithm, p, model.beta, model.gamma)
+            if want is None:
+                continue
+            slope = (model.collective(operation, algorithm, 2 * n, layout)
+                     - model.collective(operation, algorithm, n, layout)) / n
+            assert slope == pytest.approx(want, rel=1e-9), (operation, algorithm, p, slope, want)
+            checked += 1
+    assert checked >= 9

@@ -13,6 +13,7 @@ missing directory failed after the whole run; an uncaught ``CommTimeoutError`` l
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -30,11 +31,13 @@ MISSING_DIR = "/nonexistent-mpcomm-dir/sub"
 pytestmark = serial_only
 
 
-def launch(ranks: int, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """``argv`` (after ``python``) on ``ranks`` processes: under mpiexec, or directly for one process."""
+def launch(ranks: int, argv: list[str], timeout: float = 120, prefix: tuple = ()) -> subprocess.CompletedProcess:
+    """``argv`` (after ``python``) on ``ranks`` processes: under mpiexec, or directly for one process (``prefix``:
+    a command that runs the launcher)."""
     command = [sys.executable, *argv]
     if ranks > 1:
         command = [mpiexec_path(), "-n", str(ranks), *command]
+    command = [*prefix, *command]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
@@ -100,15 +103,20 @@ def test_user_error_arrives_every_time_repeated(case, ranks):
 
 @pytest.mark.parametrize("blocked", ["a regular file as the directory", "a read-only directory"])
 def test_json_into_unusable_directory_is_refused_before_the_run(tmp_path, blocked):
+    prefix = ()
     if blocked == "a regular file as the directory":
         parent, reason = tmp_path / "plain-file", "is not a directory"
         parent.write_text("")
     else:
-        if os.geteuid() == 0:
-            pytest.skip("root may write anywhere")
         parent, reason = tmp_path / "locked", "is not writable"
         parent.mkdir(mode=0o500)
-    proc = launch(2, ["-m", "mpcomm.bench", "-e", "64", "--json", str(parent / "rows.json")])
+        if os.geteuid() == 0:  # root (CI) may write anywhere but on a read-only mount: a private one here
+            unshare = shutil.which("unshare")
+            if unshare is None or subprocess.run([unshare, "--mount", "true"], capture_output=True).returncode:
+                pytest.skip("root without mount namespaces cannot make a directory it may not write")
+            prefix = (unshare, "--mount", "--propagation", "private", "sh", "-c",
+                      'mount -t tmpfs -o ro tmpfs "$0" && exec "$@"', str(parent))
+    proc = launch(2, ["-m", "mpcomm.bench", "-e", "64", "--json", str(parent / "rows.json")], prefix=prefix)
     assert_one_line_error(proc, "mpcomm-bench", str(parent), reason)
 
 

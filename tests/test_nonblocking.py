@@ -114,35 +114,58 @@ def test_errors_propagate_through_wait(nb):
 
 
 def start_collective(comm: Communicator, name: str, n: int):
-    """Start non-blocking collective ``name``: (its Work, its output buffer, the value every element ends with)."""
+    """Start non-blocking collective ``name``: (its Work, a function telling whether this rank's output already
+    holds the right result; True where this rank has no output, e.g. a non-root of igather)."""
+    p, r, last = comm.size, comm.rank, comm.size - 1
+    blocks = np.repeat(np.arange(p, dtype=np.float64) + 1, n)  # block q holds q + 1
     if name == "iallreduce":
-        out = np.ones(n * P)
-        return comm.iallreduce(out), out, P
+        out = np.ones(n * p)
+        return comm.iallreduce(out), lambda: bool((out == p).all())
     if name == "ireduce_scatter":
         out = np.zeros(n)
-        return comm.ireduce_scatter(np.ones(n * P), out), out, P
-    out = np.zeros(n * P)
-    return comm.iall_gather(np.ones(n), out), out, 1.0
+        return comm.ireduce_scatter(np.ones(n * p), out), lambda: bool((out == p).all())
+    if name == "iall_gather":
+        out = np.zeros(n * p)
+        return comm.iall_gather(np.full(n, r + 1.0), out), lambda: bool((out == blocks).all())
+    if name == "ibroadcast":
+        out = np.full(n, 7.0) if r == 0 else np.zeros(n)
+        return comm.ibroadcast(out, root=0), lambda: bool((out == 7.0).all())
+    if name == "igather":
+        out = np.zeros(n * p) if r == last else None
+        return comm.igather(np.full(n, r + 1.0), out, root=last), lambda: out is None or bool((out == blocks).all())
+    if name == "iscatter":
+        out = np.zeros(n)
+        return comm.iscatter(blocks if r == 0 else None, out, root=0), lambda: bool((out == r + 1.0).all())
+    if name == "ireduce":
+        out = np.zeros(n) if r == last else None
+        return comm.ireduce(np.ones(n), out, root=last), lambda: out is None or bool((out == p).all())
+    if name == "iall_to_all":  # block j of rank r's input goes to rank j: rank r receives 10 j + r from rank j
+        out = np.zeros(n * p)
+        want = np.repeat(np.arange(p, dtype=np.float64) * 10 + r, n)
+        return (comm.iall_to_all(np.repeat(np.arange(p, dtype=np.float64) + 10 * r, n), out),
+                lambda: bool((out == want).all()))
+    raise ValueError(name)
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("start", ["iallreduce", "ireduce_scatter", "iall_gather"])
+@pytest.mark.parametrize("start", ["iallreduce", "ireduce_scatter", "iall_gather", "ibroadcast", "igather",
+                                   "iscatter", "ireduce", "iall_to_all"])
 def test_progress_while_the_caller_computes(monkeypatch, start):
     """By default a non-blocking collective completes while the caller computes, touching neither the Work nor
     mpcomm (what DDP's overlap rests on): its result appears in the output buffer before any wait() or
     is_completed() — each of which would run the operation itself in progress-on-wait mode."""
     monkeypatch.delenv("MPCOMM_PROGRESS", raising=False)
     comm = Communicator(WORLD)
-    work, out, expected = start_collective(comm, start, 50_000)
+    work, arrived_now = start_collective(comm, start, 50_000)
     deadline = time.monotonic() + 30.0
     matrix, steps = np.eye(64), 0
-    while not (out == expected).all() and time.monotonic() < deadline:
+    while not arrived_now() and time.monotonic() < deadline:
         matrix = np.tanh(matrix @ matrix + 1.0)  # the caller's computation: numpy only, no mpcomm call
         steps += 1
-    arrived = bool((out == expected).all())
+    arrived = arrived_now()
     in_step(work.wait)  # every rank finishes the operation, whatever happened above
     comm.free()
-    everyone = WORLD.allgather((arrived, steps, bool((out == expected).all())))
+    everyone = WORLD.allgather((arrived, steps, arrived_now()))
     assert all(right for _, _, right in everyone), f"wrong result after wait(): {everyone}"
     assert all(a for a, _, _ in everyone), (
         "the result did not arrive while the caller computed for 30 s without waiting; (rank, arrived, steps): "
@@ -164,3 +187,51 @@ def test_thread_level_below_multiple_warns_once_and_falls_back(monkeypatch):
     assert (y2 == P).all()
     first.free()
     second.free()
+
+
+# Every non-blocking form against its blocking form, on the progress thread and in progress-on-wait mode, with a
+# root that is not rank 0.
+def _pairs(comm: Communicator, seed: int):
+    """name -> (start the non-blocking call, run the blocking one): each returns the output it wrote."""
+    p, r, root = comm.size, comm.rank, comm.size - 1
+    x = make_input(np.float64, "sum", (5 * p,), r, seed=seed)
+    counts = [(r + j) % 3 for j in range(p)]  # rank r sends (r + j) % 3 elements to rank j
+    recv_counts = [(j + r) % 3 for j in range(p)]
+    sendv = make_input(np.float32, "sum", (sum(counts),), r, seed=seed + 1)
+
+    def out(n):
+        return np.full(n, -1.0)
+
+    return {
+        "broadcast": (lambda: (lambda b: (comm.ibroadcast(b, root=root), b))(x.copy()),
+                      lambda: (lambda b: (comm.broadcast(b, root=root), b)[1])(x.copy())),
+        "reduce": (lambda: (lambda o: (comm.ireduce(x, o, root=root), o))(out(5 * p)),
+                   lambda: (lambda o: (comm.reduce(x, o, root=root), o)[1])(out(5 * p))),
+        "gather": (lambda: (lambda o: (comm.igather(x[:5], o, root=root), o))(out(5 * p)),
+                   lambda: (lambda o: (comm.gather(x[:5], o, root=root), o)[1])(out(5 * p))),
+        "scatter": (lambda: (lambda o: (comm.iscatter(x, o, root=root), o))(out(5)),
+                    lambda: (lambda o: (comm.scatter(x, o, root=root), o)[1])(out(5))),
+        "all_to_all": (lambda: (lambda o: (comm.iall_to_all(x, o), o))(out(5 * p)),
+                       lambda: (lambda o: (comm.all_to_all(x, o), o)[1])(out(5 * p))),
+        "all_to_all_v": (lambda: (lambda o: (comm.iall_to_all_v(sendv, counts, o, recv_counts), o))(
+                             np.full(sum(recv_counts), -1, np.float32)),
+                         lambda: (lambda o: (comm.all_to_all_v(sendv, counts, o, recv_counts), o)[1])(
+                             np.full(sum(recv_counts), -1, np.float32))),
+        "barrier": (lambda: (comm.ibarrier(), np.zeros(0)), lambda: (comm.barrier(), np.zeros(0))[1]),
+    }
+
+
+@pytest.mark.parametrize("name", ["broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_v",
+                                  "barrier"])
+def test_every_nonblocking_collective_equals_its_blocking_form(nb, name):
+    """(``nb``: this file's fixture, progress thread and progress on wait.) Several in flight, waited in reverse."""
+    pairs = _pairs(nb, seed=len(name))
+    started = [pairs[name][0]() for _ in range(3)]
+    in_step(lambda: [work.wait() for work, _ in reversed(started)])
+    assert all(work.is_completed() for work, _ in started)
+    want = in_step(pairs[name][1])
+    root = nb.size - 1
+    for _, got in started:
+        if name in ("reduce", "gather") and nb.rank != root:
+            continue  # only the root's output is defined
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (name, nb.rank, got, want)

@@ -8,6 +8,8 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from conftest import BFLOAT16, WORLD, make_input, run_gathered
@@ -133,22 +135,24 @@ def test_is_completed_polls_to_completion(comm):
 
 def test_wait_timeout_raises_comm_timeout():
     """Work.wait(timeout) on a receive nobody sends: CommTimeoutError naming recv, the source and the time."""
-    c = Communicator(WORLD)  # dedicated: the cancelled receive stays on this communicator
+    c = Communicator(WORLD, timeout=60.0)  # dedicated (the cancelled receive stays on it); a wait bounded by
+    # the communicator's timeout instead of the wait's would take far too long
 
     def run():
         work = c.irecv(np.zeros(3), (c.rank + 1) % c.size, tag=77)
+        start = time.monotonic()
         try:
             work.wait(timeout=0.3)
         except CommTimeoutError as exc:
-            return str(exc), exc.elapsed
+            return str(exc), exc.elapsed, time.monotonic() - start
         return None
 
     everyone = run_gathered(run)
     for r, result in enumerate(everyone):
         assert result is not None, f"rank {r}: wait(timeout) returned without a message"
-        message, elapsed = result
+        message, elapsed, wall = result
         assert "recv" in message and f"rank {(r + 1) % len(everyone)}" in message and "timed out after" in message
-        assert elapsed >= 0.3
+        assert elapsed >= 0.3 and wall < 0.3 + 5.0, f"rank {r}: gave up after {wall:.1f} s (timeout 0.3 s)"
 
 
 def test_sendrecv_ring(comm):

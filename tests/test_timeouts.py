@@ -222,10 +222,19 @@ def test_point_to_point_with_a_silent_rank_times_out(case):
 
 
 # ------------------------------------------------------------------------------------------ non-blocking collectives
-NONBLOCKING = {
-    "iallreduce": (lambda c: c.iallreduce(np.ones(COUNT)), "allreduce"),
-    "ireduce_scatter": (lambda c: c.ireduce_scatter(np.ones(COUNT * P), np.empty(COUNT)), "reduce_scatter"),
-    "iall_gather": (lambda c: c.iall_gather(np.ones(COUNT), np.empty(COUNT * P)), "all_gather"),
+NONBLOCKING = {  # name -> (start of the call, the operation its error names, ranks that must time out: None =
+    # every rank but SILENT; a rooted collective's other senders may finish without SILENT)
+    "iallreduce": (lambda c: c.iallreduce(np.ones(COUNT)), "allreduce", None),
+    "ireduce_scatter": (lambda c: c.ireduce_scatter(np.ones(COUNT * P), np.empty(COUNT)), "reduce_scatter", None),
+    "iall_gather": (lambda c: c.iall_gather(np.ones(COUNT), np.empty(COUNT * P)), "all_gather", None),
+    "ibroadcast": (lambda c: c.ibroadcast(np.ones(COUNT), root=SILENT), "broadcast", None),
+    "ireduce": (lambda c: c.ireduce(np.ones(COUNT), np.empty(COUNT), root=ROOT), "reduce", [ROOT]),
+    "igather": (lambda c: c.igather(np.ones(COUNT), np.empty(COUNT * P), root=ROOT), "gather", [ROOT]),
+    "iscatter": (lambda c: c.iscatter(np.ones(COUNT * P), np.empty(COUNT), root=SILENT), "scatter", None),
+    "iall_to_all": (lambda c: c.iall_to_all(np.ones(COUNT * P), np.empty(COUNT * P)), "all_to_all", None),
+    "iall_to_all_v": (lambda c: c.iall_to_all_v(np.ones(COUNT * P), [COUNT] * P, np.empty(COUNT * P), [COUNT] * P),
+                      "all_to_all_v", None),
+    "ibarrier": (lambda c: c.ibarrier(), "barrier", None),
 }
 
 
@@ -234,13 +243,13 @@ NONBLOCKING = {
 def test_nonblocking_collective_with_a_silent_rank_times_out(monkeypatch, case, progress):
     """``wait()`` raises the operation's own timeout, on the progress thread and in progress-on-wait mode."""
     monkeypatch.setenv("MPCOMM_PROGRESS", progress)
-    start, operation = NONBLOCKING[case]
+    start, operation, waiting = NONBLOCKING[case]
     comm = Communicator(WORLD, timeout=TIMEOUT)
     try:
         silence = with_silent_rank(comm, lambda c, _: start(c).wait(), lambda c: start(c).wait())
     finally:
         comm.free()
-    assert_every_waiting_rank_timed_out(silence, [operation])
+    assert_every_waiting_rank_timed_out(silence, [operation], waiting=waiting)
 
 
 def test_work_wait_timeout_bounds_the_wait_and_the_operation_goes_on(monkeypatch):
