@@ -159,6 +159,8 @@ def isend(channels: Channels, payload_t, buf, dst, tag=0) -> "SendWork":
 class SendWork(Work):
     """A send in flight: done when MPI has taken the envelope (and payload)."""
 
+    __slots__ = ("_channels", "_requests", "_header", "_dst", "_tag", "_payload_t", "_keep", "_done")
+
     def __init__(self, channels, requests, header, dst, tag, payload_t=None, keep=None):
         self._channels, self._requests, self._header = channels, requests, header
         self._dst, self._tag, self._payload_t, self._keep = dst, tag, payload_t, keep
@@ -217,6 +219,9 @@ def irecv(channels: Channels, payload_t, buf, src=ANY_SOURCE, tag=ANY_TAG, statu
 
 class RecvWork(Work):
     """A receive in flight: the envelope first, then (for large messages) the payload it announces."""
+
+    __slots__ = ("_channels", "_payload_t", "_request", "_envelope", "_buf", "_array", "_src", "_tag", "_status",
+                 "_opened", "_registered", "_payload", "_target", "_done", "_error", "source", "tag")
 
     def __init__(self, channels, payload_t, request, envelope, buf, array, src, tag, status):
         self._channels, self._payload_t, self._request, self._envelope = channels, payload_t, request, envelope

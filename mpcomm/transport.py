@@ -21,6 +21,9 @@ from .errors import CommTimeoutError, MpcommError
 
 # Spins of Testall before each poll also yields the core: ranks are often oversubscribed on small machines.
 _SPINS_BEFORE_YIELD = 32
+# Bare Tests of a single request before the bounded poll (wait_one): a small collective completes within a few
+# microseconds, and these spins cost only MPI's own Test (no deadline, no progress hook, no yield).
+_QUICK_TESTS = 64
 # A wait in a thread other than the main one (a progress thread, a backend's worker) sleeps between polls once
 # it has lasted _SPIN_SECONDS, for _SLEEP_SHARE of the time waited so far (at most _MAX_SLEEP): the main thread
 # computes meanwhile, and a spinning background thread would take its core (and the GIL) for as long as the
@@ -115,6 +118,15 @@ class Transport:
                     f"rank {self.rank}: {operation or self.operation}: received {status.Get_count(MPI.BYTE)} bytes "
                     f"from rank {peer}, expected {nbytes} (do all ranks pass the same sizes and dtypes?)"
                 )
+
+    def wait_one(self, request: MPI.Request) -> None:
+        """Wait for ``request``, a collective with every peer, within the timeout (the MPI library's own
+        collectives: a few bare Tests first, then the bounded poll of :meth:`wait`)."""
+        test = request.Test
+        for _ in range(_QUICK_TESTS):
+            if test():
+                return
+        self.wait([request], self.others)
 
     def _mpi_error(self, exc: MPI.Exception, statuses, peers, operation=None) -> MpcommError:
         """An MpcommError for an MPI failure, naming the failed requests' own errors (MPI_ERR_IN_STATUS only

@@ -20,6 +20,8 @@ from .errors import CommTimeoutError
 class Work(ABC):
     """A pending operation: ``wait(timeout)`` blocks until done (or raises), ``is_completed()`` polls."""
 
+    __slots__ = ()  # (subclasses on the small-message path use slots: cheaper to make than a __dict__)
+
     @abstractmethod
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the operation is done (or raise its error); return its result."""

@@ -90,8 +90,7 @@ def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_
 
 # ------------------------------------------------------------------------------------------ helpers
 def _wait(t: Transport, request: MPI.Request) -> None:
-    if not request.Test():  # (one Test first: small messages are often done here already)
-        t.wait([request], peers=t.others)
+    t.wait_one(request)
 
 
 def _copy(t: Transport, array):
@@ -118,14 +117,18 @@ def _from_keys(bits, floats) -> None:
 
 def _canonical_nans(floats) -> None:
     """In place: every NaN (real or imaginary part) becomes numpy's ``nan``, the same bits on every rank."""
-    parts = floats.view(_REAL[floats.dtype]) if floats.dtype in _REAL else floats
-    if _has_nan(parts):
+    if _has_nan(floats):
+        parts = floats.view(_REAL[floats.dtype]) if floats.dtype.kind == "c" else floats
         parts[np.isnan(parts)] = np.nan
 
 
 def _has_nan(floats) -> bool:
-    """Whether ``floats`` holds a NaN: small arrays in Python, larger ones by their max (NaN propagates; no
-    temporary array, unlike isnan; no overflow warnings, unlike a dot product)."""
+    """Whether ``floats`` (real or complex) may hold a NaN: small arrays by their sum in Python (a NaN anywhere
+    makes it NaN; so does inf - inf, which only costs a needless pass), larger ones by their max (NaN propagates;
+    no temporary array, unlike isnan; no overflow warnings, unlike a dot product or numpy's sum)."""
     if floats.size <= 32:
-        return any(x != x for x in floats.tolist())
+        total = sum(floats.tolist())
+        return total != total
+    if floats.dtype.kind == "c":
+        floats = floats.view(_REAL[floats.dtype])
     return math.isnan(floats.max())
