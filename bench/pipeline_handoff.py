@@ -10,11 +10,18 @@ only when the receiver was already blocked waiting for that message — so it is
 (isend, the transfer, the receive completing, the executor's bookkeeping), not queueing behind other work.
 Reports the median and quartiles over every such hand-off of ``--steps`` steps (after ``--warmup``), and the
 payload of one message.
+
+Then the floor, in the same job: rank 0 runs its stage's forward of one micro-batch (whose matmuls evict the
+caches) and hands the result to rank 1, waiting in a receive, through raw mpi4py
+(``Isend``/``Recv``) and through ``comm.isend``/``comm.recv``: what any executor pays for a message sent right
+after compute on this machine (MPI's own calls run cache-cold then: a header ``Isend`` measured 0.9 us warm and
+16 us right after a matmul).
 """
 from __future__ import annotations
 
 import argparse
 import re
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -47,6 +54,30 @@ def handoffs(traces: list[list[tuple]]) -> list[float]:
     return out
 
 
+def handoff_floor(comm: Communicator, compute, shape: tuple, reps: int) -> dict[str, list]:
+    """Seconds from the end of rank 0's ``compute()`` (its stage's forward of one micro-batch) to rank 1's receive
+    of the result returning, through raw MPI and through mpcomm, interleaved; measured on rank 1, returned on
+    every rank."""
+    world, rank = comm.mpi, comm.rank
+    out = np.empty(shape)
+    ways = {"raw mpi4py Isend/Recv": (lambda h: world.Isend(h, 1, 3).Wait(), lambda: world.Recv(out, 0, 3)),
+            "mpcomm isend/recv": (lambda h: comm.isend(h, 1, tag=3).wait(), lambda: comm.recv(out, 0, tag=3))}
+    times: dict[str, list] = {name: [] for name in ways}
+    for _ in range(reps):
+        for name, (send, receive) in ways.items():
+            world.Barrier()
+            if rank == 0:
+                h = np.ascontiguousarray(compute())  # the matmuls leave the caches cold for what follows
+                end = time.perf_counter()
+                send(h)
+                world.send(end, dest=1, tag=9)
+            elif rank == 1:
+                receive()
+                done = time.perf_counter()  # one clock for every process of a host
+                times[name].append(done - world.recv(source=0, tag=9))
+    return world.bcast(times, root=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", default="256x1024", help="d_model x d_hidden of each block")
@@ -77,6 +108,9 @@ def main(argv=None) -> int:
         traces = comm.mpi.allgather(pipe.trace)
         if step >= args.warmup:
             gaps.extend(handoffs(traces))
+    first = pipe.chunks[0]  # rank 0's stage: the floor's sender computes what the pipeline's does
+    floor = handoff_floor(comm, lambda: first.forward(x[: args.mb_rows])[0], (args.mb_rows, d_model),
+                          args.steps * 8)
     if comm.rank == 0:
         us = np.array(gaps) * 1e6
         q1, median, q3 = np.percentile(us, [25, 50, 75])
@@ -84,6 +118,10 @@ def main(argv=None) -> int:
               f"({args.mb_rows * d_model * 8 / 1024:.0f} KiB per message), width {args.width}, {args.steps} steps")
         print(f"hand-offs the receiver waited for: {us.size}; median {median:.1f} us "
               f"(quartiles {q1:.1f} - {q3:.1f} us, min {us.min():.1f} us)")
+        for name, values in floor.items():
+            q1, median, q3 = np.percentile(np.array(values) * 1e6, [25, 50, 75])
+            print(f"the same message right after the same compute, {name}: median {median:.1f} us "
+                  f"(quartiles {q1:.1f} - {q3:.1f} us)")
     comm.free()
     return 0
 
