@@ -141,8 +141,9 @@ def report(results: dict, p: int, args, load_before, load_after) -> str:
              f"--budget {args.budget}`", "",
              f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, torch "
              f"{torch.__version__}, {MPI.Get_library_version().splitlines()[0]}. Load average before "
-             f"{' '.join(f'{x:.2f}' for x in load_before)}, after {' '.join(f'{x:.2f}' for x in load_after)} "
-             "(above the core count, other jobs shared the cores and the times are inflated and scattered).", "",
+             f"{' '.join(f'{x:.2f}' for x in load_before)}, after {' '.join(f'{x:.2f}' for x in load_after)}"
+             + (" (above the core count: other jobs shared the cores, and the times are inflated and scattered)."
+                if load_before[0] > os.cpu_count() else " (the job's own ranks count)."), "",
              "Median time per call over the rounds (min-max in brackets); busbw = size x 2(p-1)/p / time.", "",
              "| size | " + " | ".join(CONTENDERS) + " | dist/mpcomm / mpi4py | busbw mpcomm / gloo |",
              "|---:|" + "---:|" * (len(CONTENDERS) + 2)]
