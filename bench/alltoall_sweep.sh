@@ -39,8 +39,8 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
   echo "Reproduce with \`bench/alltoall_sweep.sh\` (repository root, venv active). Generated $(date -u '+%Y-%m-%d %H:%M UTC')."
   echo
   echo "Machine: $(nproc) cores ($(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)), $(uname -sr)."
-  echo "Load average (1/5/15 min) before: $load_before, after: $load_after (above the core count: other jobs shared"
-  echo "the cores, which inflates and scatters the times, small sizes most). More ranks than cores oversubscribe them."
+  echo "Load average (1/5/15 min) before: $load_before, after: $load_after (the sweep's own ranks count; a load above"
+  echo "the core count before it means other jobs shared the cores). More ranks than cores oversubscribe them."
   echo "size: one rank's send buffer (p blocks); busbw = algbw * (p-1)/p, as nccl-tests' alltoall_perf."
   echo
   echo "Commands:"
