@@ -160,6 +160,11 @@ def as_output(obj: Any, operation: str):
 
 def same_device(operation: str, *arrays) -> None:
     """ValueError when host and device buffers, or buffers on different GPUs, are mixed in one call."""
+    for array in arrays:
+        if type(array) is not np.ndarray:
+            break
+    else:
+        return  # all on the host (the common case, decided without looking at modules)
     kinds = {("cuda", a.device.id) if is_device_array(a) else ("host", 0) for a in arrays}
     if len(kinds) > 1:
         where = ", ".join(f"{k}:{i}" if k == "cuda" else k for k, i in sorted(kinds))
@@ -174,8 +179,12 @@ def flat(array):
 
 
 def byte_view(array):
-    """The bytes of a contiguous 1-D array, the form every message takes on the wire."""
-    return array.view(np.uint8)
+    """The bytes of a contiguous 1-D array, the form every message takes on the wire (any dtype, bfloat16
+    included, which numpy cannot export through the buffer protocol as itself)."""
+    return array.view(_BYTE)
+
+
+_BYTE = np.dtype(np.uint8)  # (a dtype object: view() converts np.uint8 to one on every call)
 
 
 class NoBuffer:

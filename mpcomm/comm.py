@@ -408,8 +408,8 @@ class Communicator:
         if send.size % self.size:
             raise ValueError(f"all_to_all: sendbuf has {send.size} elements, not a multiple of the communicator "
                              f"size {self.size} (use all_to_all_v for uneven blocks)")
-        counts = (send.size // self.size,) * self.size
-        displs = _displs(counts)
+        block = send.size // self.size
+        counts, displs = (block,) * self.size, tuple(range(0, block * self.size, block)) if block else (0,) * self.size
         plan = self._plan("all_to_all", send, None, algorithm)
         with WorkArray(recv, recv.dtype) as out:
             self._run(t, plan, self._input(send, send.dtype, out), counts, displs, out, counts, displs)
