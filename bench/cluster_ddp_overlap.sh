@@ -31,7 +31,7 @@ for batch in $BATCHES; do
         echo
         echo "## batch $batch rows per rank"
         echo
-        echo "Command: \`ci/cluster.sh 2 1 $RATE -- bash -c '$step'\`"
+        echo "Command: \`ci/cluster.sh 2 1 $RATE -- bash -c '${step% --out *}'\`"
         echo
         sed -e '1,/^Command:/d' "$tmp/run.md"
     } >> "$tmp/report.md"
