@@ -46,11 +46,12 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg)
     echo
     echo "Reproduce with \`bench/cluster_sweep.sh\` (repository root). Generated $(date -u '+%Y-%m-%d %H:%M UTC') on"
     echo "$(nproc) cores ($(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)), $(uname -sr); links $RATE."
-    echo "**Taken while other jobs shared the machine**: load average (1/5/15 min) before: $load_before, after:"
-    echo "$load_after, on $(nproc) cores (the cluster's own busy-polling ranks count too). Every rank of every node"
-    echo "runs on these cores: on a loaded machine each step of an all-reduce waits for the scheduler, which swamps"
-    echo "the sizes that need well under a millisecond of CPU (64 KiB-1 MiB; at load 9-12 the same algorithm timed"
-    echo "twice there differed by up to 2x). Repeat on a quiet machine for the record."
+    echo "Load average (1/5/15 min) before: $load_before, after: $load_after, on $(nproc) cores (the cluster's own"
+    echo "busy-polling ranks count too; a load above the core count before the run means other jobs shared the"
+    echo "cores). Every rank of every node runs on these cores: on a loaded machine each step of an all-reduce waits"
+    echo "for the scheduler, which swamps the sizes that need well under a millisecond of CPU (64 KiB-1 MiB; at load"
+    echo "9-12 the same algorithm timed twice there differed by up to 2x). Below 128 KiB a message fits in the tbf"
+    echo "burst allowance of the link and passes at the veth's own speed, so the smallest sizes are latency-bound."
     echo
     echo "Commands:"
     echo
