@@ -20,18 +20,21 @@ from ..buffers import MAX, MIN, ReduceOp
 from ..transport import Transport
 
 _KEYS = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
+_MIN_MAX = (MIN, MAX)
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
-    if op.name in (MIN, MAX) and buf.dtype in _KEYS:
+    kind = buf.dtype.kind
+    if kind == "f" and op.name in _MIN_MAX and buf.dtype in _KEYS:
         keys = _to_keys(buf, op.name)
-        _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
+        t.wait_one(t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
         _from_keys(keys, buf)
         return
-    _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi))
-    op.finish(buf)
-    if t.size > 1 and buf.dtype.kind in "fc":
+    t.wait_one(t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi))
+    if op.divisor != 1:
+        op.finish(buf)
+    if kind in "fc" and t.size > 1:
         _canonical_nans(buf)
 
 
