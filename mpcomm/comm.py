@@ -112,10 +112,11 @@ class Communicator:
         """Measured totals: ``{operation: {algorithm: {"calls", "bytes", "seconds"}}}``."""
         out: dict[str, dict[str, dict[str, float]]] = {}
         for t in (self._sync, self._async):
-            for (operation, algorithm), (calls, nbytes, seconds) in list(t.records.items()):
+            for plan, (calls, seconds) in list(t.records.items()):
+                operation, algorithm = plan.key
                 record = out.setdefault(operation, {}).setdefault(algorithm, {"calls": 0, "bytes": 0, "seconds": 0.0})
                 record["calls"] += calls
-                record["bytes"] += nbytes
+                record["bytes"] += calls * plan.nbytes
                 record["seconds"] += seconds
         return out
 
@@ -224,6 +225,10 @@ class Communicator:
     # ------------------------------------------------------------------ collectives
     def allreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto") -> Any:
         """Reduce ``buf`` over all ranks, in place; returns ``buf``."""
+        plan = self._ready_allreduce(buf, op, algorithm)
+        if plan is not None:
+            self._run(self._sync, plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop)
+            return buf
         try:
             self._allreduce(self._sync, buf, op, algorithm)
         except (TypeError, ValueError) as exc:
@@ -307,13 +312,12 @@ class Communicator:
 
     # ------------------------------------------------------------------ point to point
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
-        self.isend(buf, dst, tag).wait()
+        p2p.send(self._channels("send"), buf, dst, tag, self._payload_transport)
 
     def recv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Any:
         """Receive into ``buf`` from ``src`` (``ANY_SOURCE``: whoever sends) with ``tag`` (or ``ANY_TAG``);
         returns ``buf``. ``status``, if given, is filled with the matched source, tag and element count."""
-        channels = self._channels("recv")
-        return p2p.recv(channels, self._payload_transport(channels, "recv", buf), buf, src, tag, status)
+        return p2p.recv(self._channels("recv"), buf, src, tag, status, self._payload_transport)
 
     def isend(self, buf: Any, dst: int, tag: int = 0) -> Work:
         channels = self._channels("send")
@@ -342,14 +346,22 @@ class Communicator:
         return staging.for_buffers(channels.payloads, operation, buf)
 
     # ------------------------------------------------------------------ bodies shared by blocking and non-blocking forms
-    def _allreduce(self, t: Transport, buf, op, algorithm) -> None:
-        if type(buf) is np.ndarray and type(op) is str and type(algorithm) is str:  # the common call: a cached plan
+    def _ready_allreduce(self, buf, op, algorithm) -> Plan | None:
+        """The common call — a host array used as it is, a plan already made — gets its cached plan here, with
+        nothing else looked at; None for anything else (the general path)."""
+        if type(buf) is np.ndarray and type(op) is str and type(algorithm) is str:
             plan = self._plans.get(("allreduce", buf.dtype, buf.shape, op, algorithm, None))
             if plan is not None and plan.direct:
                 flags = buf.flags
                 if flags.c_contiguous and flags.writeable:
-                    self._run(t, plan, buf.reshape(-1) if buf.ndim != 1 else buf, plan.rop)
-                    return
+                    return plan
+        return None
+
+    def _allreduce(self, t: Transport, buf, op, algorithm) -> None:
+        plan = self._ready_allreduce(buf, op, algorithm)
+        if plan is not None:
+            self._run(t, plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop)
+            return
         array = as_output(buf, "allreduce")
         plan = self._plan("allreduce", array, op, algorithm)
         with WorkArray(array, plan.wire) as work:
@@ -435,11 +447,8 @@ class Communicator:
     def _run(self, t: Transport, plan: Plan, *args, counts: tuple | None = None) -> None:
         """Run ``plan`` on ``t``: refuse on an unusable communicator or a second thread, agree (validate=True),
         time the algorithm, record it; a failure midway makes the communicator unusable."""
-        if self._unusable is not None:
-            raise MpcommError(f"rank {self.rank}: {plan.label}: this communicator is unusable: {self._unusable}"
-                              + ("" if self._unusable == _FREED else _STALE))
-        if not t.in_use.acquire(False):
-            self._concurrent_use(plan)
+        if self._unusable is not None or not t.in_use.acquire(False):
+            self._refuse(plan)
         try:
             if self._inline is not None and t is self._sync:
                 self._inline.run_until(None)
@@ -462,12 +471,18 @@ class Communicator:
             raise error from None
         finally:
             t.in_use.release()
-        record = t.records.get(plan.key)
+        record = t.records.get(plan)
         if record is None:
-            record = t.records[plan.key] = [0, 0, 0.0]
+            record = t.records[plan] = [0, 0.0]
         record[0] += 1
-        record[1] += plan.nbytes
-        record[2] += elapsed
+        record[1] += elapsed
+
+    def _refuse(self, plan: Plan) -> None:
+        """Raise: the communicator is unusable, or another thread is running a collective on it."""
+        if self._unusable is not None:
+            raise MpcommError(f"rank {self.rank}: {plan.label}: this communicator is unusable: {self._unusable}"
+                              + ("" if self._unusable == _FREED else _STALE))
+        self._concurrent_use(plan)
 
     def _stopped_midway(self, plan: Plan, exc: Exception) -> None:
         if self._unusable is None:

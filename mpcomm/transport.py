@@ -11,6 +11,7 @@ import pickle
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -51,9 +52,9 @@ class Transport:
         self.others = tuple(r for r in range(self.size) if r != self.rank)  # every peer (error messages)
         # Held while a collective runs on this transport: a second thread arriving meanwhile is an error.
         self.in_use = threading.Lock()
-        # Measured totals of the collectives run here: (operation, algorithm) -> [calls, bytes, seconds].
-        # One table per transport, so the thread that runs its collectives is the only writer.
-        self.records: dict[tuple[str, str], list] = {}
+        # Measured totals of the collectives run here: plan -> [calls, seconds] (stats() sums them by operation
+        # and algorithm). One table per transport, so the thread that runs its collectives is the only writer.
+        self.records: dict = {}
         # Called while this transport waits: progress of point-to-point receives (see ``mpcomm.p2p.Channels``).
         self.progress_hook = None
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
@@ -102,7 +103,8 @@ class Transport:
         if not expected and statuses is None:  # nothing to read from the statuses: the common case, kept lean
             try:
                 if not MPI.Request.Testall(requests):
-                    self._poll(requests, None, peers, self.timeout if timeout is None else timeout, operation)
+                    self._poll(partial(MPI.Request.Testall, requests), requests, peers,
+                               self.timeout if timeout is None else timeout, operation)
             except MPI.Exception as exc:
                 raise self._mpi_error(exc, [], peers, operation) from None
             return
@@ -110,7 +112,8 @@ class Transport:
             statuses = [MPI.Status() for _ in requests]
         try:
             if not MPI.Request.Testall(requests, statuses):
-                self._poll(requests, statuses, peers, self.timeout if timeout is None else timeout, operation)
+                self._poll(partial(MPI.Request.Testall, requests, statuses), requests, peers,
+                           self.timeout if timeout is None else timeout, operation)
         except MPI.Exception as exc:
             raise self._mpi_error(exc, statuses, peers, operation) from None
         for status, nbytes, peer in zip(statuses, expected, peers):
@@ -120,14 +123,19 @@ class Transport:
                     f"from rank {peer}, expected {nbytes} (do all ranks pass the same sizes and dtypes?)"
                 )
 
-    def wait_one(self, request: MPI.Request) -> None:
-        """Wait for ``request``, a collective with every peer, within the timeout (the MPI library's own
-        collectives: a few bare Tests first, then the bounded poll of :meth:`wait`)."""
-        test = request.Test
-        for _ in range(_QUICK_TESTS):
-            if test():
-                return
-        self.wait([request], self.others)
+    def wait_one(self, request: MPI.Request, peers: Sequence[int] | None = None, status: MPI.Status | None = None,
+                 operation=None) -> None:
+        """:meth:`wait` for the single ``request`` (by default a collective with every peer), polled with MPI's
+        ``Test`` (cheaper than ``Testall`` of a list): a few bare Tests first, then with the deadline and the
+        progress hook. ``status``, if given, receives the request's status."""
+        test = request.Test if status is None else partial(request.Test, status)
+        try:
+            for _ in range(_QUICK_TESTS):
+                if test():
+                    return
+            self._poll(test, (request,), self.others if peers is None else peers, self.timeout, operation)
+        except MPI.Exception as exc:
+            raise self._mpi_error(exc, [] if status is None else [status], peers or self.others, operation) from None
 
     def _mpi_error(self, exc: MPI.Exception, statuses, peers, operation=None) -> MpcommError:
         """An MpcommError for an MPI failure, naming the failed requests' own errors (MPI_ERR_IN_STATUS only
@@ -225,13 +233,14 @@ class Transport:
     def _wire(self, buf):
         return byte_view(buf)
 
-    def _poll(self, requests, statuses, peers, timeout: float, operation=None) -> None:
+    def _poll(self, test, requests, peers, timeout: float, operation=None) -> None:
+        """Call ``test()`` until it is true (``requests`` done) or ``timeout`` seconds pass (then cancel them)."""
         start = time.monotonic()
         deadline = start + timeout
         spins = 0
         hook = self.progress_hook
-        patient = threading.current_thread() is not threading.main_thread()
-        while not (MPI.Request.Testall(requests, statuses) if statuses is not None else MPI.Request.Testall(requests)):
+        patient = None
+        while not test():
             if hook is not None:
                 hook()
             spins += 1
@@ -239,6 +248,8 @@ class Transport:
                 continue
             spins = 0
             now = time.monotonic()
+            if patient is None:
+                patient = threading.current_thread() is not threading.main_thread()
             if patient and now - start > _SPIN_SECONDS:
                 time.sleep(min(_MAX_SLEEP, _SLEEP_SHARE * (now - start)))
             else:

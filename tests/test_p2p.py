@@ -44,6 +44,48 @@ def exchange(comm: Communicator, send, recv, tag: int = 0):
     return errors
 
 
+def exchange_blocking(comm: Communicator, send, recv, tag: int = 0):
+    """:func:`exchange` through the blocking ``send``/``recv`` (their own fast path for small host arrays): the
+    even rank of a pair sends first, the odd one receives first; a rank that is its own partner posts an isend
+    first."""
+    peer, errors = partner(comm), [None, None]
+
+    def receive():
+        try:
+            comm.recv(recv, peer, tag)
+        except Exception as exc:  # noqa: BLE001 - returned for the test to inspect
+            errors[0] = exc
+
+    def send_it():
+        try:
+            comm.send(send, peer, tag)
+        except Exception as exc:  # noqa: BLE001 - returned for the test to inspect
+            errors[1] = exc
+
+    if peer == comm.rank:
+        work = comm.isend(send, peer, tag)
+        receive()
+        work.wait()
+    elif comm.rank % 2 == 0:
+        send_it()
+        receive()
+    else:
+        receive()
+        send_it()
+    return errors
+
+
+SWAPS = pytest.mark.parametrize("swap", [exchange, exchange_blocking], ids=["nonblocking", "blocking"])
+
+
+def test_recv_into_a_read_only_buffer_is_a_value_error(comm):
+    frozen = np.zeros(3)
+    frozen.flags.writeable = False
+    for receive in (comm.recv, comm.irecv):
+        with pytest.raises(ValueError, match="read-only"):
+            receive(frozen, comm.rank, 5)
+
+
 def test_blocking_send_recv(comm):
     """Even ranks send first then receive, odd ranks the reverse (no reliance on buffering)."""
     if comm.size < 2:
@@ -70,13 +112,14 @@ def test_blocking_send_recv(comm):
             assert np.array_equal(result[1], everyone[r ^ 1][0])
 
 
+@SWAPS
 @pytest.mark.parametrize("size", [0, 1, 7, LARGE])
 @pytest.mark.parametrize("dtype", [np.float32, BFLOAT16, np.int16, np.uint64, np.bool_, np.complex128], ids=str)
-def test_isend_irecv_exchange(comm, dtype, size):
+def test_isend_irecv_exchange(comm, dtype, size, swap):
     def run():
         data = make_input(dtype, "max", (size,), comm.rank, seed=size)
         got = np.zeros_like(data)
-        return data, got, exchange(comm, data, got)
+        return data, got, swap(comm, data, got)
 
     everyone = run_gathered(run)
     for r, (data, got, errors) in enumerate(everyone):
@@ -174,11 +217,12 @@ def test_sendrecv_ring(comm):
         assert np.array_equal(from_right, everyone[(r + 1) % p][0])
 
 
-def test_noncontiguous_send_and_recv(comm):
+@SWAPS
+def test_noncontiguous_send_and_recv(comm, swap):
     def run():
         base = make_input(np.int64, "sum", (10, 6), comm.rank)
         out = np.full((6, 10), -1, dtype=np.int64)
-        errors = exchange(comm, base[::2, 1::2], out[::2, ::2].T)  # strided send, strided (transposed) receive
+        errors = swap(comm, base[::2, 1::2], out[::2, ::2].T)  # strided send, strided (transposed) receive
         return base, out, errors
 
     everyone = run_gathered(run)
@@ -221,8 +265,9 @@ MISMATCHES = {
 }
 
 
+@SWAPS
 @pytest.mark.parametrize("case", list(MISMATCHES))
-def test_mismatch_raises_on_receiver_and_sender_completes(comm, case):
+def test_mismatch_raises_on_receiver_and_sender_completes(comm, case, swap):
     """The receiver gets ValueError saying what was sent (never a silently truncated or half-filled buffer), the
     sender's wait returns normally, and the communicator keeps working afterwards. (What the failed receive
     leaves in its buffer: test_mismatched_receive_leaves_the_buffer_untouched.)"""
@@ -231,7 +276,7 @@ def test_mismatch_raises_on_receiver_and_sender_completes(comm, case):
     def run():
         send = send_template + 1
         recv = np.full_like(recv_template, 7)
-        receive_error, send_error = exchange(comm, send, recv, tag=21)
+        receive_error, send_error = swap(comm, send, recv, tag=21)
         # the same communicator still works: a matching exchange right after
         ok = np.zeros(3)
         follow_up = exchange(comm, np.full(3, comm.rank, dtype=np.float64), ok, tag=21)
@@ -247,15 +292,16 @@ def test_mismatch_raises_on_receiver_and_sender_completes(comm, case):
         assert (ok == partner_of(r, len(everyone))).all()
 
 
+@SWAPS
 @pytest.mark.parametrize("case", list(MISMATCHES))
-def test_mismatched_receive_leaves_the_buffer_untouched(comm, case):
+def test_mismatched_receive_leaves_the_buffer_untouched(comm, case, swap):
     """A receive that raises because the sender's size or dtype differ leaves the buffer as it was: no half of a
     message, no bytes of another dtype."""
     send_template, recv_template = MISMATCHES[case]
 
     def run():
         recv = np.full_like(recv_template, 7)
-        receive_error, _ = exchange(comm, send_template + 1, recv, tag=22)
+        receive_error, _ = swap(comm, send_template + 1, recv, tag=22)
         return receive_error is not None, int(np.count_nonzero(recv != 7)), recv.size
 
     everyone = run_gathered(run)

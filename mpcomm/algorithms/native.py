@@ -11,8 +11,6 @@ mpcomm's own algorithms:
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from mpi4py import MPI
 
@@ -21,20 +19,27 @@ from ..transport import Transport
 
 _KEYS = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
 _MIN_MAX = (MIN, MAX)
+_SMALL = 16  # up to this many elements a NaN is looked for by a sum in Python (see _has_nan)
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
-    kind = buf.dtype.kind
-    if kind == "f" and op.name in _MIN_MAX and buf.dtype in _KEYS:
+    dtype = buf.dtype
+    if op.name in _MIN_MAX and dtype in _KEYS:
         keys = _to_keys(buf, op.name)
         t.wait_one(t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
         _from_keys(keys, buf)
         return
-    t.wait_one(t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi))
+    request = t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi)
+    if not (request.Test() or request.Test()):  # (most small ones are done by the second Test at p = 2)
+        t.wait_one(request)
     if op.divisor != 1:
         op.finish(buf)
-    if kind in "fc" and t.size > 1:
+    if dtype.kind in "fc" and t.size > 1:
+        if buf.size <= _SMALL:  # (_has_nan's test, inline: the small all-reduce is the latency-bound one)
+            total = sum(buf.tolist())
+            if total == total:
+                return
         _canonical_nans(buf)
 
 
@@ -127,11 +132,15 @@ def _canonical_nans(floats) -> None:
 
 def _has_nan(floats) -> bool:
     """Whether ``floats`` (real or complex) may hold a NaN: small arrays by their sum in Python (a NaN anywhere
-    makes it NaN; so does inf - inf, which only costs a needless pass), larger ones by their max (NaN propagates;
-    no temporary array, unlike isnan; no overflow warnings, unlike a dot product or numpy's sum)."""
-    if floats.size <= 32:
+    makes it NaN; so does inf - inf, which only costs a needless pass), larger ones by the element ``argmax``
+    picks (numpy's argmax takes the first NaN as the maximum: one pass, no temporary array, no overflow
+    warnings, and a third of the cost of ``max()`` up to a few KiB)."""
+    if floats.ndim != 1:
+        floats = floats.reshape(-1)
+    if floats.size <= _SMALL:
         total = sum(floats.tolist())
         return total != total
     if floats.dtype.kind == "c":
         floats = floats.view(_REAL[floats.dtype])
-    return math.isnan(floats.max())
+    largest = floats[floats.argmax()]
+    return largest != largest
