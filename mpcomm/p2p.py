@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from .buffers import SUPPORTED_DTYPES, as_input, as_output
 from .errors import CommTimeoutError, MpcommError
-from .transport import _SPINS_BEFORE_YIELD, Transport, _error_text
+from .transport import Transport, _error_text
 from .work import Work, wait_timeout
 
 INLINE_BYTES = 4096
@@ -330,7 +330,7 @@ class RecvWork(Work):
             spins += 1
             if own:
                 self._try_open()
-            if spins < _SPINS_BEFORE_YIELD:
+            if spins < channels.envelopes.spins_before_yield:
                 channels.progress()
                 continue
             spins = 0

@@ -7,6 +7,7 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from conftest import WORLD, in_step, run_gathered
 from mpi4py import MPI
@@ -95,3 +96,24 @@ def test_bad_ranks_per_node(monkeypatch, value):
     monkeypatch.setenv("MPCOMM_RANKS_PER_NODE", str(value))
     with pytest.raises(ValueError, match=f"ranks_per_node must be >= 1, got {value}"):
         Communicator(WORLD)
+
+
+def test_ranks_sharing_cores_wait_with_shorter_spins():
+    """More ranks than cores on a node: the collectives' transports yield the core sooner while waiting (the peer
+    a collective waits for may need it); point to point, and every transport otherwise, keep the default spins."""
+    from mpcomm import transport
+
+    comm = Communicator(WORLD)
+    try:
+        shared = comm.ranks_per_core > 1
+        expected = ((transport._SHARED_SPINS_BEFORE_YIELD, transport._SHARED_QUICK_TESTS) if shared
+                    else (transport._SPINS_BEFORE_YIELD, transport._QUICK_TESTS))
+        for t in (comm._sync, comm._async):
+            assert (t.spins_before_yield, t.quick_tests) == expected, (comm.ranks_per_core, t)
+        for t in (comm._p2p.envelopes, comm._p2p.payloads):
+            assert (t.spins_before_yield, t.quick_tests) == (transport._SPINS_BEFORE_YIELD, transport._QUICK_TESTS)
+        comm.allreduce(np.ones(3), algorithm="hierarchical")  # makes the node and cross-node transports: they inherit it
+        for sub in (comm._sync._node, comm._sync._cross):
+            assert (sub.spins_before_yield, sub.quick_tests) == expected
+    finally:
+        comm.free()
