@@ -255,7 +255,11 @@ def recv(channels: Channels, buf, src, tag, status: Status | None, payload_trans
     target = memoryview(buf).cast("B") if dtype.kind in _MEMORYVIEW_KINDS and flags.c_contiguous else None
     wildcard = src == MPI.ANY_SOURCE or tag == MPI.ANY_TAG
     matched = MPI.Status() if wildcard or status is not None else None
-    if not (request.Test() if matched is None else request.Test(matched)):
+    try:
+        arrived = request.Test() if matched is None else request.Test(matched)
+    except MPI.Exception as exc:
+        raise _failure(channels, _describe_recv(buf, src, tag), exc) from None
+    if not arrived:
         peers = envelopes.others if src == MPI.ANY_SOURCE else (src,)
         envelopes.wait_one(request, peers, matched, _Lazy(lambda: _describe_recv(buf, src, tag)))
     if target is None or not envelope.startswith(expected):  # another size, dtype or layout: the general path
@@ -374,8 +378,7 @@ class RecvWork(Work):
             if not self._request.Test(status):
                 return False
         except MPI.Exception as exc:
-            self._error = MpcommError(f"rank {self._channels.rank}: {self._describe()}: "
-                                      f"{_error_text(exc.Get_error_code())}")
+            self._error = _failure(self._channels, self._describe(), exc)
             self._opened = True
             return True
         self._accept(status)
@@ -437,6 +440,11 @@ class _Lazy:
 
     def __str__(self) -> str:
         return self.describe()
+
+
+def _failure(channels: Channels, what: str, exc: MPI.Exception) -> MpcommError:
+    """mpcomm's error for an MPI failure of a receive (never a bare MPI.Exception)."""
+    return MpcommError(f"rank {channels.rank}: {what}: {_error_text(exc.Get_error_code())}")
 
 
 def _check_writeable(array, flags=None) -> None:
