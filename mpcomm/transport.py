@@ -137,13 +137,14 @@ class Transport:
         ``Test`` (cheaper than ``Testall`` of a list): a few bare Tests first, then with the deadline and the
         progress hook. ``status``, if given, receives the request's status."""
         test = request.Test if status is None else partial(request.Test, status)
+        peers = self.others if peers is None else peers
         try:
             for _ in range(self.quick_tests):
                 if test():
                     return
-            self._poll(test, (request,), self.others if peers is None else peers, self.timeout, operation)
+            self._poll(test, (request,), peers, self.timeout, operation)
         except MPI.Exception as exc:
-            raise self._mpi_error(exc, [] if status is None else [status], peers or self.others, operation) from None
+            raise self._mpi_error(exc, [] if status is None else [status], peers, operation) from None
 
     def _mpi_error(self, exc: MPI.Exception, statuses, peers, operation=None) -> MpcommError:
         """An MpcommError for an MPI failure, naming the failed requests' own errors (MPI_ERR_IN_STATUS only

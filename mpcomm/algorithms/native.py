@@ -45,46 +45,46 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
 
 def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
     """``recvbuf`` on ``root`` <- the reduction (``recvbuf`` may be None elsewhere)."""
-    if op.name in (MIN, MAX) and sendbuf.dtype in _KEYS:
+    if op.name in _MIN_MAX and sendbuf.dtype in _KEYS:
         keys = _to_keys(_copy(t, sendbuf), op.name)
         result = recvbuf.view(keys.dtype) if t.rank == root else None
-        _wait(t, t.mpi.Ireduce(keys, result, op.mpi, root))
+        t.wait_one(t.mpi.Ireduce(keys, result, op.mpi, root))
         if t.rank == root:
             _from_keys(result, recvbuf)
         return
-    _wait(t, t.mpi.Ireduce(sendbuf, recvbuf if t.rank == root else None, op.mpi, root))
+    t.wait_one(t.mpi.Ireduce(sendbuf, recvbuf if t.rank == root else None, op.mpi, root))
     if t.rank == root:
         op.finish(recvbuf)
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
-    if op.name in (MIN, MAX) and sendbuf.dtype in _KEYS:
+    if op.name in _MIN_MAX and sendbuf.dtype in _KEYS:
         keys = _to_keys(_copy(t, sendbuf), op.name)
-        _wait(t, t.mpi.Ireduce_scatter_block(keys, recvbuf.view(keys.dtype), op.mpi))
+        t.wait_one(t.mpi.Ireduce_scatter_block(keys, recvbuf.view(keys.dtype), op.mpi))
         _from_keys(recvbuf.view(keys.dtype), recvbuf)
         return
-    _wait(t, t.mpi.Ireduce_scatter_block(sendbuf, recvbuf, op.mpi))
+    t.wait_one(t.mpi.Ireduce_scatter_block(sendbuf, recvbuf, op.mpi))
     op.finish(recvbuf)
 
 
 def all_gather(t: Transport, sendbuf, recvbuf) -> None:
-    _wait(t, t.mpi.Iallgather(t._wire(sendbuf), t._wire(recvbuf)))
+    t.wait_one(t.mpi.Iallgather(t._wire(sendbuf), t._wire(recvbuf)))
 
 
 def broadcast(t: Transport, buf, root: int = 0) -> None:
-    _wait(t, t.mpi.Ibcast(t._wire(buf), root))
+    t.wait_one(t.mpi.Ibcast(t._wire(buf), root))
 
 
 def gather(t: Transport, sendbuf, recvbuf, root: int = 0) -> None:
-    _wait(t, t.mpi.Igather(t._wire(sendbuf), t._wire(recvbuf) if t.rank == root else None, root))
+    t.wait_one(t.mpi.Igather(t._wire(sendbuf), t._wire(recvbuf) if t.rank == root else None, root))
 
 
 def scatter(t: Transport, sendbuf, recvbuf, root: int = 0) -> None:
-    _wait(t, t.mpi.Iscatter(t._wire(sendbuf) if t.rank == root else None, t._wire(recvbuf), root))
+    t.wait_one(t.mpi.Iscatter(t._wire(sendbuf) if t.rank == root else None, t._wire(recvbuf), root))
 
 
 def all_to_all(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs) -> None:
-    _wait(t, t.mpi.Ialltoall(t._wire(sendbuf), t._wire(recvbuf)))
+    t.wait_one(t.mpi.Ialltoall(t._wire(sendbuf), t._wire(recvbuf)))
 
 
 def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_counts, recv_displs) -> None:
@@ -93,14 +93,10 @@ def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_
     def spec(buf, counts, displs):
         return [t._wire(buf), ([c * size for c in counts], [d * size for d in displs]), MPI.BYTE]
 
-    _wait(t, t.mpi.Ialltoallv(spec(sendbuf, send_counts, send_displs), spec(recvbuf, recv_counts, recv_displs)))
+    t.wait_one(t.mpi.Ialltoallv(spec(sendbuf, send_counts, send_displs), spec(recvbuf, recv_counts, recv_displs)))
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _wait(t: Transport, request: MPI.Request) -> None:
-    t.wait_one(request)
-
-
 def _copy(t: Transport, array):
     copy = t.scratch("native.keys", array.size, array.dtype, like=array)
     copy[...] = array
