@@ -40,7 +40,8 @@ test-mpi: $(STAMP)
 # Runs every test marked `torch` (the torch.distributed backend, CPU torch tensors as mpcomm buffers, ...): mark a
 # new test `@pytest.mark.torch`, or a new file with `pytestmark = pytest.mark.torch`, and it runs here. Each run
 # collects all of tests/ to select them: 32-53 s per run measured with the machine loaded (load average ~19).
-# `import torch` first, so that a broken install fails instead of turning the tests into skips.
+# `import torch` first, so that a broken install fails instead of turning the tests into skips; then build the
+# backend's C++ all-reduce (~30 s, cached by torch; a failed build fails here, where the backend would only warn).
 # Then FSDP2 x tensor parallelism on a 2 x 2 DeviceMesh (4 ranks), and PyTorch's own backend test class
 # DistributedTest._DistTestBase under 3 ranks (tests/torch_backend/distributed_suite.py; expecttest is what torch's test
 # utilities import): the tests gloo passes, those gated on the name "gloo" run as if named so, and PyTorch's MPI-only
@@ -52,6 +53,7 @@ DIST_SUITE := tests/torch_backend/distributed_suite.py --backend mpcomm --expect
 test-torch: $(STAMP)
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TORCH_TEST_DEPS)"
 	$(PY) -c "import torch, torch.distributed, expecttest"
+	$(PY) -m mpcomm.integrations.torch.extension
 	timeout $(MPI_TIMEOUT) $(PY) -m pytest -q --with-mpi -m torch tests
 	for n in 2 3; do \
 		timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi -m "mpi and torch" tests || exit 1; \

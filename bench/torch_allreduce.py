@@ -17,8 +17,10 @@ starts). Large all-reduces on 4 KiB pages run markedly slower here (TLB misses i
 reductions), so the report says which the tensors had; ``mpcomm`` (numpy arrays) has huge pages either way.
 
 A second table splits the 8 B call into its layers, each timed the same way: raw ``Allreduce``;
-``Communicator.allreduce`` on a numpy array; on ``tensor.numpy()`` made per call (what the backend hands it); the
-group's ``allreduce`` method called directly (the backend's own cost added); ``dist.all_reduce`` (torch's).
+``Communicator.allreduce`` on a numpy array; what the backend runs: with its C++ extension
+(``mpcomm/integrations/torch/native_allreduce.cpp``) the Communicator running the plan whose function is the C++
+all-reduce of the tensor itself, else ``Communicator.allreduce`` on ``tensor.numpy()`` made per call; the group's
+``allreduce`` method called directly (the backend's own cost added); ``dist.all_reduce`` (torch's).
 
 For each size, ``--rounds`` rounds; in each round every contender (order rotated from round to round, so load
 drift hits all alike) runs a block of calls after a barrier, the block's time being the slowest rank's. A block
@@ -92,13 +94,16 @@ def layers(nbytes: int) -> dict:
     comm = group.comm
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # what dist.all_reduce(t) passes
-    return {
-        "mpi4py Allreduce": lambda: WORLD.Allreduce(MPI.IN_PLACE, array, MPI.SUM),
-        "Communicator.allreduce(numpy)": lambda: comm.allreduce(array),
-        "Communicator.allreduce(tensor.numpy())": lambda: comm.allreduce(tensor.numpy(), "sum", "auto"),
-        "ProcessGroupMpcomm.allreduce": lambda: group.allreduce([tensor], opts),
-        "dist.all_reduce": lambda: dist.all_reduce(tensor),
-    }
+    out = {"mpi4py Allreduce": lambda: WORLD.Allreduce(MPI.IN_PLACE, array, MPI.SUM),
+           "Communicator.allreduce(numpy)": lambda: comm.allreduce(array)}
+    plan = group._native_plan(tensor, opts) if group._native_plan is not None else None
+    if plan is not None:
+        out["Communicator._run(the C++ plan, tensor)"] = lambda: comm._run(comm._sync, plan, tensor, plan.rop)
+    else:
+        out["Communicator.allreduce(tensor.numpy())"] = lambda: comm.allreduce(tensor.numpy(), "sum", "auto")
+    out["ProcessGroupMpcomm.allreduce"] = lambda: group.allreduce([tensor], opts)
+    out["dist.all_reduce"] = lambda: dist.all_reduce(tensor)
+    return out
 
 
 def block(call, n: int) -> float:

@@ -91,6 +91,7 @@ class Communicator:
         self._inline: InlineProgress | None = None
         self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
         self._plans: dict = {}
+        self._plans_generation = 0  # counts the times auto's choices changed (a table loaded): plans made again
         self.selector = Selector.default(self)
         if settings.tuning_file:
             self.load_tuning(settings.tuning_file, missing_ok=True)
@@ -191,6 +192,7 @@ class Communicator:
     def _use_table(self, table: dict, source: str) -> bool:
         loaded = self.selector.load(table, source=source)
         self._plans.clear()  # plans remember auto's choices
+        self._plans_generation += 1
         return loaded
 
     def free(self, failed: bool = False) -> bool:

@@ -8,6 +8,7 @@ DeviceMesh, FSDP2 and ``destroy_process_group`` need, are kept here (a Python gr
 """
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from functools import partial
@@ -18,9 +19,10 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ...algorithms import REGISTRY
 from ...comm import Communicator
 from ...p2p import ANY_SOURCE
-from .lane import DoneWork, Job, Lane, done_work, p2p_work, queued_work
+from .lane import Job, Lane, done_work, p2p_work, queued_work
 from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, torch_error
 
 BACKEND = "mpcomm"
@@ -43,6 +45,8 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         self._owned = owned  # the MPI communicator made for this group, freed at shutdown
         self._coalescing: list | None = None  # p2p Works between _start_coalescing and _end_coalescing
         self._monitor_calls = 0
+        self._native = self._native_allreduce()
+        self._native_plan, self._native_run = self._native.functions() if self._native is not None else (None, None)
 
     # ------------------------------------------------------------------ identity (C++ reaches these virtually)
     def getBackendName(self) -> str:
@@ -69,7 +73,8 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         pending, else queued for the lane's worker. A synchronous call raises its error itself."""
         synchronous = opts is not None and not opts.asyncOp
         if synchronous and self._lane.enter():
-            return self._run_here(operation, result, body)
+            self._run_here(operation, body)
+            return done_work(result)
         job = Job(body, result, operation)
         self._lane.submit(job)
         work = queued_work(self._lane, job)
@@ -77,7 +82,7 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
             work.wait()
         return work
 
-    def _run_here(self, operation: str, result, fn, *args) -> DoneWork:
+    def _run_here(self, operation: str, fn, *args) -> None:
         """``fn(*args)`` on the caller's thread, the lane already entered (and left here); raises torch's error."""
         try:
             fn(*args)
@@ -88,9 +93,6 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
             raise error from exc
         finally:
             self._lane.leave()
-        work = DoneWork()
-        work._result = result
-        return work
 
     def _translated(self, exc: BaseException, operation: str) -> BaseException:
         """torch's error for ``exc`` (see ``torch_error``), noting a communication failure."""
@@ -108,13 +110,24 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ all-reduce
     def allreduce(self, tensors, opts=None):
-        """Each tensor <- the reduction over ranks (a list of several is reduced together first, as gloo does)."""
+        """Each tensor <- the reduction over ranks (a list of several is reduced together first, as gloo does).
+
+        A synchronous call (``opts.asyncOp`` false, as ``dist.all_reduce`` makes it) that could run at once returns
+        None once done: ``dist.all_reduce`` then has nothing to wait for ("the backend has synced"), and the
+        8-byte call is spared a Work it would only discard."""
         if opts is None:
             opts = dist.AllreduceOptions()
-        if not opts.asyncOp and len(tensors) == 1:
-            work = self._allreduce_now(tensors, opts)
-            if work is not None:
-                return work
+        native_plan = self._native_plan
+        if native_plan is not None and len(tensors) == 1:
+            # The C++ extension takes the synchronous call on a tensor as it is where the Communicator plans its
+            # native all-reduce (native_allreduce.cpp); it runs under Communicator._run, as every call does.
+            plan = native_plan(tensors[0], opts)
+            if plan is not None and self._lane.enter():
+                comm = self.comm
+                self._run_here("allreduce", comm._run, comm._sync, plan, tensors[0], plan.rop)
+                return None
+        if not opts.asyncOp and len(tensors) == 1 and self._allreduce_now(tensors, opts):
+            return None
         if len(tensors) != 1:
             return self._issue("allreduce", self._allreduce_several(tensors, opts.reduceOp), tensors, opts)
         tensor = tensors[0]
@@ -129,18 +142,45 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
     def _allreduce_now(self, tensors, opts):
         """``dist.all_reduce(t)``: its per-call cost is what this backend is measured by, so the common case takes
         the fewest steps: a reduction mpcomm runs itself, already seen for this dtype; a tensor ``Tensor.numpy()``
-        takes as it is; nothing pending on the lane. Then it runs here; else None (``allreduce`` goes on)."""
+        takes as it is; nothing pending on the lane. Then it runs here (True); else False (``allreduce`` goes on)."""
         tensor = tensors[0]
         red = direct_reduction((hash(opts.reduceOp), tensor.dtype))  # (a ReduceOp hashes to its op number)
         if red is None:
-            return None
+            return False
         try:
             array = tensor.numpy()
         except (TypeError, RuntimeError, AttributeError):  # bfloat16, requires_grad, sparse, ...: the long way
-            return None
+            return False
         if not self._lane.enter():
+            return False
+        self._run_here("allreduce", self.comm.allreduce, array, red.name, self.algorithm)
+        return True
+
+    def _native_allreduce(self):
+        """The C++ all-reduce for this group's communicator (extension.py), or None where it cannot be built."""
+        from . import extension
+
+        module = extension.load()
+        if module is None:
             return None
-        return self._run_here("allreduce", tensors, self.comm.allreduce, array, red.name, self.algorithm)
+        t = self.comm._sync
+        return module.NativeAllreduce(t.mpi.py2f(), t.size, self.comm, self._planned_natively, MPI.Request.f2py,
+                                      MPI.Exception, t.quick_tests)
+
+    def _planned_natively(self, tensor, opts):
+        """For the C++ all-reduce, on a call it has not seen since auto's choices last changed: a copy of the
+        Communicator's plan that runs in C++, if that plan is its native all-reduce on the buffer as it is; else
+        None."""
+        red = reduction(opts.reduceOp, tensor.dtype, "allreduce")
+        if red.local is not None:
+            return None
+        array = tensor.detach().numpy().reshape(-1)
+        plan = self.comm._plan("allreduce", array, red.name, self.algorithm)
+        if plan.fn is not REGISTRY["allreduce"]["native"] or not plan.direct or plan.rop.divisor != 1:
+            return None
+        runner = copy.copy(plan)
+        runner.fn = self._native_run
+        return runner
 
     def _allreduce_gathered(self, array: np.ndarray, red: Reduction) -> None:
         """A reduction mpcomm does not run itself (bitwise ops): gather every rank's array, reduce in rank order."""
@@ -595,6 +635,9 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         match those messages and return wrong data. So if any rank saw a failure, or the ranks do not all arrive
         here in time (``Communicator.free``), the communicators are left allocated (with a warning)."""
         self._lane.close()
+        if self._native is not None:
+            self._native.clear()  # (its plans refer back to it)
+            self._native = self._native_plan = self._native_run = None
         if self.comm is None:
             return
         comm, owned, self.comm, self._owned = self.comm, self._owned, None, None

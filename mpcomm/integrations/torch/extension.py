@@ -1,0 +1,77 @@
+"""The torch backend's C++ part (``native_allreduce.cpp``): built on first use by torch's own extension builder.
+
+``load()`` compiles it against the MPI library mpi4py has loaded (its ``mpi.h`` beside it, as the MPICH wheel
+installs them) and caches it where torch caches extensions (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``; ~30 s the first time, the ranks of a job wait on torch's lock for one build).
+Without a C++ compiler, ``mpi.h`` or a matching library, or with ``MPCOMM_TORCH_NATIVE=0``, it returns None and
+the backend runs every call through mpcomm's Python (correct, slower for small all-reduces); a failed build warns
+once, naming why.
+
+    python -m mpcomm.integrations.torch.extension    # build now (exit 1, with the reason, if it cannot)
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+
+from mpi4py import MPI
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_allreduce.cpp")
+NAME = "mpcomm_native_allreduce"
+SWITCH = "MPCOMM_TORCH_NATIVE"
+
+
+@functools.cache
+def load():
+    """The built extension module, or None (switched off, or it cannot be built here: warned once)."""
+    if os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        return build()
+    except Exception as exc:  # noqa: BLE001 (a compiler's or linker's failure has no common type)
+        warnings.warn(f"mpcomm torch backend: small synchronous all-reduces run through Python: the C++ extension "
+                      f"could not be built ({type(exc).__name__}: {_first_line(exc)}); set {SWITCH}=0 to skip it",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
+def build():
+    """Compile (or take torch's cached build of) the extension; raises with the reason when it cannot."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    library = mpi_library()
+    include = os.path.join(os.path.dirname(os.path.dirname(library)), "include")
+    if not os.path.isfile(os.path.join(include, "mpi.h")):
+        raise FileNotFoundError(f"no mpi.h in {include} (beside the MPI library mpi4py loaded, {library})")
+    directory, filename = os.path.split(library)
+    module = load_extension(NAME, [SOURCE], extra_cflags=["-O2"], extra_include_paths=[include],
+                            extra_ldflags=[f"-L{directory}", f"-l:{filename}", f"-Wl,-rpath,{directory}"])
+    built_for, running = module.library_version(), MPI.Get_library_version()
+    if built_for.split("\n")[0] != running.split("\n")[0]:
+        raise RuntimeError(f"built against {built_for.splitlines()[0]!r} but mpi4py runs {running.splitlines()[0]!r}")
+    return module
+
+
+def mpi_library() -> str:
+    """The path of the MPI library mpi4py loaded into this process (from /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith(("libmpi.so", "libmpich.so")):
+                return path
+    raise FileNotFoundError("no libmpi.so / libmpich.so among this process's libraries (is mpi4py's MPI loaded?)")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+if __name__ == "__main__":
+    try:
+        print(f"mpcomm torch extension: {build().__file__}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"mpcomm torch extension: cannot build: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
+        raise SystemExit(1) from None
