@@ -62,20 +62,32 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds every core of this machine has spent busy since boot (user, system, interrupts; /proc/stat)."""
+    with open("/proc/stat") as fh:
+        fields = [int(v) for v in fh.readline().split()[1:8]]  # user nice system idle iowait irq softirq
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(comm, modes, iters, warmup):
     """Run the modes round-robin (so load changes on a shared machine hit all of them alike); per mode the
-    (median, min) over iterations of the slowest rank's time."""
+    (median, min) over iterations of the slowest rank's time, and the median CPU seconds per step: of this
+    rank's process (every thread of it) and of the whole machine (every process, the kernel's network stack too)."""
     times = {name: [] for name in modes}
+    cpu = {name: [] for name in modes}
     for i in range(warmup + iters):
         for name, fn in modes.items():
             comm.barrier()
-            t0 = time.perf_counter()
+            c0, m0, t0 = time.process_time(), machine_busy_seconds(), time.perf_counter()
             fn()
             dt = np.array([time.perf_counter() - t0])
+            used = (time.process_time() - c0, machine_busy_seconds() - m0)
             comm.allreduce(dt, op="max")
             if i >= warmup:
                 times[name].append(float(dt[0]))
-    return {name: (float(np.median(t)), float(np.min(t))) for name, t in times.items()}
+                cpu[name].append(used)
+    return ({name: (float(np.median(t)), float(np.min(t))) for name, t in times.items()},
+            {name: tuple(float(v) for v in np.median(np.array(c), axis=0)) for name, c in cpu.items()})
 
 
 def main(argv=None):
@@ -125,7 +137,7 @@ def main(argv=None):
         return step
 
     load_before = os.getloadavg()[0]
-    results = timed(comm, {"forward alone": forward, "compute alone": compute, "compute alone, grads kept": compute_kept,
+    results, cpu = timed(comm, {"forward alone": forward, "compute alone": compute, "compute alone, grads kept": compute_kept,
                            "comm alone": comm_only,
                            "overlapped (DDP)": ddp_step(overlapped, "overlapped (DDP)"),
                            "delay_all_reduce": ddp_step(delayed, "delay_all_reduce"),
@@ -163,12 +175,13 @@ def main(argv=None):
         f"{load_after:.1f} after (other jobs shared the machine if it exceeds the rank count). glibc keeps freed "
         f"memory (bench/glibc_malloc.py): {kept_memory}.",
         "",
-        "| measurement | median ms | min ms | exposed wait ms (median) |",
-        "|---|---:|---:|---:|",
+        "| measurement | median ms | min ms | exposed wait ms (median) | CPU ms, rank 0's process | CPU ms, machine |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, (med, mn) in results.items():
         wait = f"{1e3 * exposed[name]:.2f}" if name in exposed else ""
-        lines.append(f"| {name} | {1e3 * med:.2f} | {1e3 * mn:.2f} | {wait} |")
+        own, machine = cpu[name]
+        lines.append(f"| {name} | {1e3 * med:.2f} | {1e3 * mn:.2f} | {wait} | {1e3 * own:.0f} | {1e3 * machine:.0f} |")
     verdict = "MET" if ratio <= TARGET else "NOT MET"
     lines += [
         "",
