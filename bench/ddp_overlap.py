@@ -137,13 +137,12 @@ def main(argv=None):
         return step
 
     load_before = os.getloadavg()[0]
-    results, cpu = timed(comm, {"forward alone": forward, "compute alone": compute, "compute alone, grads kept": compute_kept,
-                           "comm alone": comm_only,
-                           "overlapped (DDP)": ddp_step(overlapped, "overlapped (DDP)"),
-                           "delay_all_reduce": ddp_step(delayed, "delay_all_reduce"),
-                           "overlapped, gradient_as_bucket_view": ddp_step(as_view,
-                                                                           "overlapped, gradient_as_bucket_view")},
-                    args.iters, args.warmup)
+    modes = {"forward alone": forward, "compute alone": compute, "compute alone, grads kept": compute_kept,
+             "comm alone": comm_only,
+             "overlapped (DDP)": ddp_step(overlapped, "overlapped (DDP)"),
+             "delay_all_reduce": ddp_step(delayed, "delay_all_reduce"),
+             "overlapped, gradient_as_bucket_view": ddp_step(as_view, "overlapped, gradient_as_bucket_view")}
+    results, cpu = timed(comm, modes, args.iters, args.warmup)
     exposed = {name: float(np.median(w[args.warmup:])) for name, w in waits.items()}
     load_after = os.getloadavg()[0]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -48,3 +49,13 @@ def pg():
     init_default("mpcomm")
     yield dist.group.WORLD
     in_step(dist.destroy_process_group)
+
+
+def fail_on_rank0_then_destroy(group, rank0) -> None:
+    """``rank0()`` on rank 0 alone (it calls what no other rank calls, so it fails there), then ``group`` destroyed
+    on every rank: each must warn that the group's MPI communicators stay allocated (messages were left behind)."""
+    in_step(rank0 if WORLD.Get_rank() == 0 else lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        in_step(lambda: dist.destroy_process_group(group))
+    assert any("without freeing its MPI communicators" in str(w.message) for w in caught)

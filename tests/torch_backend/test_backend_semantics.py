@@ -24,7 +24,7 @@ import mpcomm.integrations.torch as mpt  # noqa: E402
 from mpcomm.errors import MpcommError  # noqa: E402
 from mpcomm.integrations.torch.lane import Job, Lane, queued_work  # noqa: E402
 from mpcomm.integrations.torch.tensors import reduction  # noqa: E402
-from torch_groups import pg  # noqa: E402,F401  (tests/torch_groups.py: the fixture)
+from torch_groups import fail_on_rank0_then_destroy, pg  # noqa: E402,F401  (tests/torch_groups.py: pg is the fixture)
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = pytest.mark.torch
@@ -130,11 +130,7 @@ def test_failure_raises_from_the_call_from_wait_and_through_the_future(pg):
         with pytest.raises(Exception, match="unusable"):
             dist.all_reduce(torch.ones(2), group=group, async_op=True).get_future().wait()
 
-    in_step(rank0 if RANK == 0 else lambda: None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        in_step(lambda: dist.destroy_process_group(group))
-    assert any("without freeing its MPI communicators" in str(w.message) for w in caught)
+    fail_on_rank0_then_destroy(group, rank0)
 
 
 @pytest.mark.mpi

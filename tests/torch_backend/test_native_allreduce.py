@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from datetime import timedelta
 
 import numpy as np
@@ -23,7 +22,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from mpcomm.integrations.torch import extension  # noqa: E402
-from torch_groups import pg  # noqa: E402,F401  (tests/torch_groups.py: the fixture)
+from torch_groups import fail_on_rank0_then_destroy, pg  # noqa: E402,F401  (tests/torch_groups.py: pg is the fixture)
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 R = dist.ReduceOp
@@ -178,11 +177,7 @@ def test_a_rank_that_never_comes_is_a_timeout_and_the_group_is_unusable(pg):
         with pytest.raises(dist.DistBackendError, match="unusable"):
             dist.all_reduce(torch.ones(2), group=group)
 
-    in_step(rank0 if RANK == 0 else lambda: None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        in_step(lambda: dist.destroy_process_group(group))
-    assert any("without freeing its MPI communicators" in str(w.message) for w in caught)
+    fail_on_rank0_then_destroy(group, rank0)
 
 
 @pytest.mark.mpi
