@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from datetime import timedelta
 
 import numpy as np
@@ -192,3 +193,24 @@ def test_sub_groups_run_on_their_own_communicators(pg):
         dist.all_reduce(tensor, group=group)
         results[name] = tensor.tolist()
     assert results == {name: [SIZE * (SIZE + 1) / 2] * 3 for name in results}
+
+
+@pytest.mark.mpi
+@several
+def test_validate_compares_the_calls_on_the_cpp_path_too(pg, monkeypatch):
+    """MPCOMM_VALIDATE=1: a group's matching calls run in C++; sizes that differ between ranks raise
+    CollectiveMismatchError (as DistBackendError) on every rank instead of reducing garbage."""
+    monkeypatch.setenv("MPCOMM_VALIDATE", "1")
+    group = dist.new_group()
+    assert group.comm.validate
+    tensor = torch.full((4,), float(RANK))
+    assert group._native_plan(tensor, sync_opts()) is not None
+    dist.all_reduce(tensor, group=group)
+    assert tensor.tolist() == [SIZE * (SIZE - 1) / 2] * 4
+    mismatched = torch.ones(3 if RANK == 0 else 4)
+    assert group._native_plan(mismatched, sync_opts()) is not None
+    with pytest.raises(dist.DistBackendError, match="CollectiveMismatchError"):
+        dist.all_reduce(mismatched, group=group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a group whose call failed is left allocated (test_backend_semantics)
+        in_step(lambda: dist.destroy_process_group(group))
