@@ -53,7 +53,7 @@ DIST_SUITE := tests/torch_backend/distributed_suite.py --backend mpcomm --expect
 test-torch: $(STAMP)
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TORCH_TEST_DEPS)"
 	$(PY) -c "import torch, torch.distributed, expecttest"
-	$(PY) -m mpcomm.integrations.torch.extension
+	timeout $(MPI_TIMEOUT) $(PY) -m mpcomm.integrations.torch.extension
 	timeout $(MPI_TIMEOUT) $(PY) -m pytest -q --with-mpi -m torch tests
 	for n in 2 3; do \
 		timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi -m "mpi and torch" tests || exit 1; \

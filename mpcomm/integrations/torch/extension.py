@@ -1,8 +1,10 @@
 """The torch backend's C++ part (``native_allreduce.cpp``): built on first use by torch's own extension builder.
 
 ``load()`` compiles it against the MPI library mpi4py has loaded (its ``mpi.h`` beside it, as the MPICH wheel
-installs them) and caches it where torch caches extensions (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``; ~30 s the first time, the ranks of a job wait on torch's lock for one build).
+installs them) into ``<sys.prefix>/mpcomm-torch-extension`` (the environment's own: another environment's build,
+or a build killed there, cannot get in the way), or where torch caches extensions (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``) if that is not writable; ~30 s the first time, the ranks of a job waiting on
+torch's lock for one build.
 Without a C++ compiler, ``mpi.h`` or a matching library, or with ``MPCOMM_TORCH_NATIVE=0``, it returns None and
 the backend runs every call through mpcomm's Python (correct, slower for small all-reduces); a failed build warns
 once, naming why.
@@ -47,11 +49,22 @@ def build():
         raise FileNotFoundError(f"no mpi.h in {include} (beside the MPI library mpi4py loaded, {library})")
     directory, filename = os.path.split(library)
     module = load_extension(NAME, [SOURCE], extra_cflags=["-O2"], extra_include_paths=[include],
-                            extra_ldflags=[f"-L{directory}", f"-l:{filename}", f"-Wl,-rpath,{directory}"])
+                            extra_ldflags=[f"-L{directory}", f"-l:{filename}", f"-Wl,-rpath,{directory}"],
+                            build_directory=build_directory())
     built_for, running = module.library_version(), MPI.Get_library_version()
     if built_for.split("\n")[0] != running.split("\n")[0]:
         raise RuntimeError(f"built against {built_for.splitlines()[0]!r} but mpi4py runs {running.splitlines()[0]!r}")
     return module
+
+
+def build_directory() -> str | None:
+    """``<sys.prefix>/mpcomm-torch-extension`` (made if need be), or None (torch's default) if it cannot be written."""
+    path = os.path.join(sys.prefix, "mpcomm-torch-extension")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
 
 
 def mpi_library() -> str:
