@@ -11,6 +11,8 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torc
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -61,6 +63,23 @@ def test_the_extension_builds_against_the_mpi_library_mpi4py_runs():
     from mpi4py import MPI
 
     assert module.library_version().splitlines()[0] == MPI.Get_library_version().splitlines()[0]
+
+
+def test_a_lock_left_by_a_build_that_died_is_cleared():
+    """torch waits forever on the lock of a build that was killed; a lock older than any build is removed."""
+    directory = extension.build_directory()
+    if directory is None:
+        pytest.skip("the environment's directory is not writable: torch's default place is used")
+    lock = os.path.join(directory, "lock")
+    open(lock, "w").close()
+    then = time.time() - 2 * extension.STALE_LOCK_SECONDS
+    os.utime(lock, (then, then))
+    build = "from mpi4py import MPI; from mpcomm.integrations.torch import extension; extension.build()"
+    done = subprocess.run([sys.executable, "-W", "always", "-c", build], capture_output=True, text=True,
+                          timeout=120)  # (in a child, so that a regression fails here instead of hanging the suite)
+    assert done.returncode == 0, done.stderr
+    assert "did not finish" in done.stderr
+    assert not os.path.exists(lock)
 
 
 @pytest.mark.mpi

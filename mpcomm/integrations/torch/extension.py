@@ -4,7 +4,8 @@
 installs them) into ``<sys.prefix>/mpcomm-torch-extension`` (the environment's own: another environment's build,
 or a build killed there, cannot get in the way), or where torch caches extensions (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``) if that is not writable; ~30 s the first time, the ranks of a job waiting on
-torch's lock for one build.
+torch's lock for one build (a lock left by a build that was killed is removed once it is 10 minutes old: torch
+itself would wait on it forever).
 Without a C++ compiler, ``mpi.h`` or a matching library, or with ``MPCOMM_TORCH_NATIVE=0``, it returns None and
 the backend runs every call through mpcomm's Python (correct, slower for small all-reduces); a failed build warns
 once, naming why.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import warnings
 
 from mpi4py import MPI
@@ -23,6 +25,7 @@ from mpi4py import MPI
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_allreduce.cpp")
 NAME = "mpcomm_native_allreduce"
 SWITCH = "MPCOMM_TORCH_NATIVE"
+STALE_LOCK_SECONDS = 600  # a build lock older than this was left by a build that died
 
 
 @functools.cache
@@ -48,6 +51,7 @@ def build():
     if not os.path.isfile(os.path.join(include, "mpi.h")):
         raise FileNotFoundError(f"no mpi.h in {include} (beside the MPI library mpi4py loaded, {library})")
     directory, filename = os.path.split(library)
+    _clear_stale_lock(build_directory())
     module = load_extension(NAME, [SOURCE], extra_cflags=["-O2"], extra_include_paths=[include],
                             extra_ldflags=[f"-L{directory}", f"-l:{filename}", f"-Wl,-rpath,{directory}"],
                             build_directory=build_directory())
@@ -65,6 +69,24 @@ def build_directory() -> str | None:
     except OSError:
         return None
     return path if os.access(path, os.W_OK) else None
+
+
+def _clear_stale_lock(directory: str | None, older_than: float = STALE_LOCK_SECONDS) -> None:
+    """Remove torch's build lock if a build that took it died (a build takes ~30 s; torch would wait forever)."""
+    if directory is None:
+        return
+    lock = os.path.join(directory, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:  # no lock: nobody is building
+        return
+    if age > older_than:
+        warnings.warn(f"mpcomm torch backend: removing {lock}, left {age:.0f} s ago by a build that did not finish",
+                      RuntimeWarning, stacklevel=3)
+        try:
+            os.remove(lock)
+        except FileNotFoundError:  # another rank removed it first
+            pass
 
 
 def mpi_library() -> str:
