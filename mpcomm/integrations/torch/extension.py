@@ -51,13 +51,14 @@ def build():
     if not os.path.isfile(os.path.join(include, "mpi.h")):
         raise FileNotFoundError(f"no mpi.h in {include} (beside the MPI library mpi4py loaded, {library})")
     directory, filename = os.path.split(library)
-    _clear_stale_lock(build_directory())
+    target = build_directory()
+    _clear_stale_lock(target)
     module = load_extension(NAME, [SOURCE], extra_cflags=["-O2"], extra_include_paths=[include],
                             extra_ldflags=[f"-L{directory}", f"-l:{filename}", f"-Wl,-rpath,{directory}"],
-                            build_directory=build_directory())
-    built_for, running = module.library_version(), MPI.Get_library_version()
-    if built_for.split("\n")[0] != running.split("\n")[0]:
-        raise RuntimeError(f"built against {built_for.splitlines()[0]!r} but mpi4py runs {running.splitlines()[0]!r}")
+                            build_directory=target)
+    built_for, running = module.library_version().splitlines()[0], MPI.Get_library_version().splitlines()[0]
+    if built_for != running:
+        raise RuntimeError(f"built against {built_for!r} but mpi4py runs {running!r}")
     return module
 
 

@@ -37,15 +37,15 @@ MPI_Datatype mpi_type(at::ScalarType type) {
   }
 }
 
-// The MPI op for torch's op on this dtype, or MPI_OP_NULL. Floating MIN/MAX stay with mpcomm's Python path,
-// which reduces them as ordered integer keys so that NaNs come out as numpy's, the same on every rank.
-MPI_Op mpi_op(c10d::ReduceOp::RedOpType op, bool floating) {
+// Whether this path runs torch's op on this dtype (the MPI op itself is the plan's). Floating MIN/MAX stay with
+// mpcomm's Python path, which reduces them as ordered integer keys so that NaNs come out as numpy's everywhere.
+bool runs(c10d::ReduceOp::RedOpType op, bool floating) {
   switch (op) {
-    case c10d::ReduceOp::SUM: return MPI_SUM;
-    case c10d::ReduceOp::PRODUCT: return MPI_PROD;
-    case c10d::ReduceOp::MIN: return floating ? MPI_OP_NULL : MPI_MIN;
-    case c10d::ReduceOp::MAX: return floating ? MPI_OP_NULL : MPI_MAX;
-    default: return MPI_OP_NULL;
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::PRODUCT: return true;
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::MAX: return !floating;
+    default: return false;
   }
 }
 
@@ -81,8 +81,9 @@ class NativeAllreduce {
       return py::none();
     }
     const at::ScalarType scalar = tensor.scalar_type();
-    const MPI_Op op = mpi_op(opts.reduceOp.op_, at::isFloatingType(scalar));
-    if (mpi_type(scalar) == MPI_DATATYPE_NULL || op == MPI_OP_NULL) return py::none();
+    if (mpi_type(scalar) == MPI_DATATYPE_NULL || !runs(opts.reduceOp.op_, at::isFloatingType(scalar))) {
+      return py::none();
+    }
     const uint64_t id = (static_cast<uint64_t>(tensor.nbytes()) << 16) | (static_cast<uint64_t>(scalar) << 8) |
                         static_cast<uint64_t>(opts.reduceOp.op_);
     const long long generation = communicator_.attr(generation_name_).cast<long long>();
@@ -90,9 +91,10 @@ class NativeAllreduce {
     if (found != cache_.end() && found->second.generation == generation) return found->second.plan;
     // Not seen since auto's choices last changed: the Communicator plans it.
     py::object planned = resolve_(tensor, opts);
-    if (!planned.is_none()) {
+    if (!planned.is_none()) {  // its ReduceOp's MPI op (mpi4py's), looked up by address in allreduce()
       py::object rop = planned.attr("rop");
-      if (ops_.emplace(rop.ptr(), op).second) rops_.push_back(rop);  // (ops_ is keyed by address: keep it alive)
+      const auto handle = rop.attr("mpi").attr("py2f")().cast<MPI_Fint>();
+      if (ops_.emplace(rop.ptr(), MPI_Op_f2c(handle)).second) rops_.push_back(rop);  // (kept alive: keyed by address)
     }
     if (cache_.size() > 4096) cache_.clear();  // a sweep over many sizes: kept small, as the plan cache is
     cache_[id] = Cached{planned, generation};
