@@ -23,7 +23,7 @@ dist = pytest.importorskip("torch.distributed")
 import mpcomm.integrations.torch as mpt  # noqa: E402
 from mpcomm.errors import MpcommError  # noqa: E402
 from mpcomm.integrations.torch.lane import Job, Lane, queued_work  # noqa: E402
-from mpcomm.integrations.torch.tensors import reduction  # noqa: E402
+from mpcomm.integrations.torch.tensors import as_numpy, reduction  # noqa: E402
 from torch_groups import fail_on_rank0_then_destroy, pg  # noqa: E402,F401  (tests/torch_groups.py: pg is the fixture)
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -46,6 +46,11 @@ def test_reduction_table_follows_gloo():
         reduction(dist._make_nccl_premul_sum(2.0), torch.float32, "allreduce")
     with pytest.raises(TypeError, match="cannot be reduced"):
         reduction(R.SUM, torch.float8_e4m3fn, "allreduce")
+
+
+def test_tensors_that_are_not_dense_are_refused_by_name():
+    with pytest.raises(NotImplementedError, match="torch.sparse_csr tensor; only dense"):
+        as_numpy(torch.eye(3).to_sparse_csr(), "allreduce tensor")
 
 
 def _lane_with_log():
@@ -111,6 +116,19 @@ def test_lane_wait_with_timeout_leaves_the_job_running():
 
 
 # ================================================================================== multi-rank
+@pytest.mark.mpi
+def test_a_list_of_tensors_with_an_op_that_cannot_be_combined_locally_is_refused(pg):
+    """all_reduce of several tensors reduces them locally first; AVG cannot be, so every rank refuses it alike,
+    before any communication (the group stays usable)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = R.AVG
+    errors = run_gathered(lambda: _error_of(lambda: pg.allreduce([torch.ones(2), torch.ones(2)], opts)))
+    assert all(e.startswith("NotImplementedError") and "list of 2 tensors with ReduceOp.AVG" in e for e in errors)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [float(SIZE)] * 2
+
+
 @pytest.mark.mpi
 @multi
 def test_failure_raises_from_the_call_from_wait_and_through_the_future(pg):
