@@ -46,6 +46,7 @@ from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
 _clock = time.perf_counter  # (a module-level name: one lookup less on every call)
 _BARRIER = Plan.barrier()
 _SPLIT = Plan.meeting("split")
+_PROTOCOL = Plan.meeting("protocol channel")
 FREE_AGREEMENT_SECONDS = 10.0  # at most this long free() waits for the other ranks (see Communicator.free)
 
 
@@ -87,6 +88,7 @@ class Communicator:
         if self.ranks_per_core > 1:  # (collectives only: a receive yielding sooner lost its core to ranks that
             for t in (self._sync, self._async):  # spin elsewhere: p = 4 ping-pong 12.6 -> 50 us on 2 cores)
                 t.share_cores()
+        self._protocols: dict[str, Transport] = {}  # see _protocol_transport
         self._executor: ThreadPoolExecutor | None = None
         self._inline: InlineProgress | None = None
         self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
@@ -211,7 +213,7 @@ class Communicator:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._drain_deferred()
-        transports = (self._sync, self._async, self._p2p.envelopes, self._p2p.payloads)
+        transports = (self._sync, self._async, self._p2p.envelopes, self._p2p.payloads, *self._protocols.values())
         failed_here = failed or self._unusable is not None or any(t.failed for t in transports)
         self._unusable = _FREED
         mine, anyone = np.array([int(failed_here)], dtype=np.int8), np.ones(1, dtype=np.int8)
@@ -223,7 +225,7 @@ class Communicator:
             return False  # a rank that did not come may be one that saw a failure
         if anyone[0]:
             return False
-        for transport in (self._sync, self._p2p, self._async):
+        for transport in (self._sync, self._p2p, self._async, *self._protocols.values()):
             transport.free()
         return True
 
@@ -343,6 +345,19 @@ class Communicator:
         if self._unusable == _FREED:
             raise MpcommError(f"rank {self.rank}: {operation}: this Communicator was freed (free() was called)")
         return self._p2p
+
+    def _protocol_transport(self, name: str) -> Transport:
+        """A private MPI communicator for messages whose sizes both sides agreed beforehand (so no envelope), of
+        a protocol built on this Communicator (e.g. the pipeline executor's hand-offs): made on the first call
+        for ``name`` — collective then, after a meeting with the deadline — reused after, freed with it."""
+        t = self._protocols.get(name)
+        if t is None:
+            self._run(self._sync, _PROTOCOL)
+            t = Transport(self.mpi.Dup(), self.timeout, on_timeout=p2p.ON_TIMEOUT)
+            t.operation = name
+            t.progress_hook = self._p2p.progress
+            self._protocols[name] = t
+        return t
 
     @staticmethod
     def _payload_transport(channels: p2p.Channels, operation: str, buf):

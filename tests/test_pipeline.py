@@ -4,6 +4,8 @@ Serial:  python -m pytest -q tests/test_pipeline.py
 MPI:     timeout 600 mpiexec -n 4 python -m pytest -q --with-mpi -m mpi tests/test_pipeline.py   (any size 1..4)
 The MPI tests use pp = world size.
 """
+import re
+
 import numpy as np
 import pytest
 from conftest import assert_matches_single_process
@@ -168,3 +170,73 @@ def test_interleaved_with_fewer_micro_batches_than_stages_is_rejected():
         PipelineParallel(wl.model(), comm, comm.size - 1, schedule="interleaved-1f1b", virtual_stages=2)
     with pytest.raises(ConfigError, match=r"num_layers % \(pp\*virtual_stages\) == 0"):
         PipelineParallel(Workload(num_layers=2 * comm.size + 1).model(), comm, comm.size)
+
+
+# ------------------------------------------------------------------------------------------ failures of a hand-off
+def step_with_sgd(pipe, opt, x, y):
+    loss = pipe.train_step(x, y)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_changed_micro_batch_shape_is_an_error_on_every_rank_and_the_next_step_is_right():
+    """Stage 0 refuses a new micro-batch shape; the stages waiting for its activations time out (no hang), and the
+    receives they left posted are cancelled, so the step run again afterwards gets its own messages: the training
+    still equals one process on the full batch."""
+    from mpcomm import Communicator, CommTimeoutError
+
+    comm = Communicator(timeout=1.0)
+    wl, m = workload_for(comm.size, 1)
+    pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b")
+    opt = make_optimizer("sgd", pipe.parameters(), 0.1)
+    losses = [step_with_sgd(pipe, opt, *wl.batch(0))]
+    x, y = wl.batch(1)
+    expected = ConfigError if comm.rank == 0 else CommTimeoutError
+    with pytest.raises(expected, match="micro-batch shape changed" if comm.rank == 0 else "pipeline: receive of"):
+        pipe.train_step(x[:m] if comm.rank == 0 else x, y)
+    comm.mpi.Barrier()  # every rank is past its error before anyone sends again (rank 0 waits for the timeouts)
+    losses.append(step_with_sgd(pipe, opt, x, y))
+    assert_matches_single_process(pipe, losses, wl)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("extra_rows", [1, -1])
+def test_a_receive_of_another_size_raises_on_the_receiver(extra_rows):
+    """A hand-off whose size differs from what the receiver expects (here: the last stage's expectation altered)
+    raises there — a short message by its byte count, a long one by MPI's truncation — never a partly filled
+    buffer; every other rank gets an error too, within the timeout."""
+    from mpcomm import Communicator, MpcommError
+
+    comm = Communicator(timeout=1.0)
+    wl, m = workload_for(comm.size, 1)
+    pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b")
+    pipe.train_step(*wl.batch(0))
+    last = comm.rank == comm.size - 1
+    if last:
+        shape, dtype, *rest = pipe._receive_plan()[0]
+        pipe._recvs[0] = ((shape[0] + extra_rows,) + shape[1:], dtype, *rest)
+    with pytest.raises(MpcommError) as error:
+        pipe.train_step(*wl.batch(1))
+    if last:
+        assert "pipeline: receive of the activation into stage" in str(error.value)
+        if extra_rows > 0:
+            assert re.search(r"received \d+ bytes from rank \d+, expected \d+", str(error.value))
+        else:
+            assert "MPI error" in str(error.value)
+    comm.mpi.Barrier()  # the ranks leave together (the others' errors are timeouts)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_free_releases_the_pipeline_channel():
+    from mpi4py import MPI
+
+    from mpcomm import Communicator
+
+    comm = Communicator()
+    wl, m = workload_for(comm.size, 1)
+    PipelineParallel(wl.model(), comm, m).train_step(*wl.batch(0))
+    channel = comm._protocols["pipeline"]
+    assert comm.free()
+    assert channel.mpi == MPI.COMM_NULL

@@ -11,10 +11,10 @@ micro-batch following this rank's list from ``with_communication(schedule(...))`
   (``loss_fn`` = mean over the micro-batch) and its gradient scaled by ``1/m`` so accumulated parameter gradients
   equal those of the full (local) batch mean.
 * ``B``: chunk backward with the received gradient (or the loss gradient on the last stage).
-* ``SEND_*``: ``comm.isend`` — the Work and its buffer are kept until completed (released while this rank waits
-  in a receive, drained at the end of the step).
-* ``RECV_*``: ``comm.irecv`` into a fresh buffer, posted ahead of time (up to ``max_posted_recvs`` outstanding,
-  in list order) so the transfer overlaps computation; waited only when the action is reached.
+* ``SEND_*``: one MPI message of the activation or gradient — its request and buffer are kept until completed
+  (released while this rank waits in a receive, drained at the end of the step).
+* ``RECV_*``: a receive into a fresh buffer of the known shape, posted ahead of time (up to ``max_posted_recvs``
+  outstanding, in list order) so the transfer overlaps computation; waited only when the action is reached.
 
 Between two ranks the critical path is "compute, isend" on one side and "receive completes, compute" on the
 other, so everything else — posting later receives, releasing finished sends, faulting in gradient buffers —
@@ -26,8 +26,13 @@ would draw a new mask, so ``recompute=True`` is exact only for deterministic lay
 Messages are matched by :func:`~mpcomm.parallel.schedules.message_tag`.  Activation shapes are inferred once,
 at the first step, by a stage-ordered handshake: every stage runs its chunk on a zero-row input of the received
 feature shape (eval mode, so no RNG advances) and sends ``(rows, *features, dtype)`` of its output to the next
-stage.  Later steps must keep the same micro-batch shape (a change raises on stage 0; peers' p2p size checks
-raise too — never silently wrong); call :meth:`PipelineParallel.reset_shapes` to re-infer.
+stage.  Since both sides then know every message's size, hand-offs travel without mpcomm's point-to-point
+envelope: one MPI message each, on the pp Communicator's private ``"pipeline"`` channel
+(``Communicator._protocol_transport``), its receive posted before it is sent (the envelope cost ~35 us of a
+~130 us hand-off, bench/results/pipeline_handoff.md).  Every wait keeps the Communicator's deadline, a received
+size other than the expected one raises on the receiver (never a partial buffer), and a failed step cancels
+the receives it left posted.  Later steps must keep the same micro-batch shape (a change raises on stage 0);
+call :meth:`PipelineParallel.reset_shapes` to re-infer.
 
 Timing per step (``self.last_timing``; running sums in ``self.timing``): ``compute`` (F/B and loss, including any
 tensor-parallel collectives inside the chunks), ``comm_wait`` (blocked in receive waits and the final send
@@ -47,10 +52,12 @@ from collections import OrderedDict, deque
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from mpi4py import MPI
 
 from mpcomm.errors import ConfigError
 from mpcomm.nn import Sequential, mse_loss
 from mpcomm.nn.backend import array_module
+from mpcomm.staging import for_buffers
 
 from .schedules import (B, F, RECV_F, SCHEDULES, message_tag, schedule as make_schedule,
                         with_communication)
@@ -191,6 +198,7 @@ class PipelineParallel:
         self._shapes: dict[int, tuple[tuple, Any, tuple, Any]] | None = None  # stage -> (in shape, dtype, out...)
         self._in_key = None
         self._recvs: list | None = None  # see _receive_plan
+        self._wire = None  # the hand-offs' own MPI communicator (made at the first step): see train_step
         self.trace: list | None = None  # set to a list to record (label, t0, t1) per action (perf_counter)
         self.timing = {"compute": 0.0, "comm_wait": 0.0, "bubble": 0.0, "total": 0.0, "steps": 0}
         self.last_timing: dict[str, float] = {}
@@ -255,8 +263,9 @@ class PipelineParallel:
     def reset_shapes(self) -> None:
         self._shapes, self._in_key, self._recvs = None, None, None
 
-    def _receive_plan(self) -> list[tuple[tuple, Any, int, int, tuple[str, int, int]]]:
-        """``(shape, dtype, peer, tag, inbox key)`` of this rank's receive actions in order (once per shapes).
+    def _receive_plan(self) -> list[tuple[tuple, Any, int, int, tuple[str, int, int], str]]:
+        """``(shape, dtype, peer, tag, inbox key, label)`` of this rank's receive actions in order (once per
+        shapes); the label names the receive in errors.
 
         Inbox keys: forward inputs by the consuming stage, backward gradients by the producing stage.
         """
@@ -265,13 +274,14 @@ class PipelineParallel:
             for a in self.actions:
                 if a.is_recv:
                     in_shape, in_dtype, out_shape, out_dtype = self._shapes[a.stage]
+                    tag = message_tag(a, self.num_micro_batches, self.tag_base)
+                    what = "activation into" if a.kind == RECV_F else "gradient from"
+                    label = (f"pipeline: receive of the {what} stage {a.stage} of micro-batch {a.microbatch} from "
+                             f"rank {a.peer} (tag {tag})")
                     if a.kind == RECV_F:
-                        plan.append((in_shape, in_dtype, a.peer, message_tag(a, self.num_micro_batches, self.tag_base),
-                                     (F, a.stage, a.microbatch)))
+                        plan.append((in_shape, in_dtype, a.peer, tag, (F, a.stage, a.microbatch), label))
                     else:
-                        plan.append((out_shape, out_dtype, a.peer,
-                                     message_tag(a, self.num_micro_batches, self.tag_base),
-                                     (B, a.stage + 1, a.microbatch)))
+                        plan.append((out_shape, out_dtype, a.peer, tag, (B, a.stage + 1, a.microbatch), label))
             self._recvs = plan
         return self._recvs
 
@@ -340,12 +350,15 @@ class PipelineParallel:
         if self._shapes is None:
             self._infer_shapes(xs[0] if xs is not None else None)
             self._in_key = key
+            if pp > 1 and self._wire is None:
+                self._wire = self.comm._protocol_transport("pipeline")
+        wire = self._wire
         xp = _xp_of(self.chunks[self.stages[0]])
         recvs = self._receive_plan()
         trace = self.trace
         posted: deque = deque()  # (work, buffer, inbox key) of posted receives, in the order actions consume them
         next_post = 0  # index into recvs of the next receive to post
-        sends: list[tuple[Any, Any]] = []
+        sends: list[tuple[Any, Any, Any, int]] = []  # (request, transport, data, peer) of sends in flight
         inbox: dict[tuple[str, int, int], Any] = {}  # (F|B, stage, mb) -> received / local input
         ctxs: dict[tuple[int, int], Any] = {}
         outbox: dict[tuple[str, int, int], Any] = {}  # data produced, waiting for its SEND action
@@ -360,9 +373,10 @@ class PipelineParallel:
         def post(count: int) -> None:
             nonlocal next_post
             while count > 0 and next_post < len(recvs):
-                shape, dtype, peer, tag, key = recvs[next_post]
+                shape, dtype, peer, tag, key, label = recvs[next_post]
                 buf = xp.empty(shape, dtype=dtype)
-                posted.append((self.comm.irecv(buf, peer, tag=tag), buf, key))
+                t = for_buffers(wire, "recv", buf)
+                posted.append((t.irecv(buf, peer, tag), t, buf, peer, key, label))
                 next_post += 1
                 count -= 1
 
@@ -370,67 +384,73 @@ class PipelineParallel:
         # buffers) runs while this rank waits for a message that has not arrived: the critical path between two
         # ranks is then only "compute, isend" on one side and "receive completes, compute" on the other.
         post(limit)
-        for a in self.actions:
-            if a.is_recv:
-                if not posted:
-                    post(1)
-                work, buf, key = posted.popleft()
+        try:
+            for a in self.actions:
+                if a.is_recv:
+                    if not posted:
+                        post(1)
+                    request, t, buf, peer, key, label = posted.popleft()
+                    t0 = time.perf_counter()
+                    if not _done(request):
+                        post(limit - len(posted))
+                        sends = _unfinished(sends)
+                        while pending_grads and not _done(request):
+                            _materialize_grad(pending_grads.pop())
+                    t.wait([request], (peer,), (buf.nbytes,), operation=label)
+                    t1 = time.perf_counter()
+                    t_wait += t1 - t0
+                    inbox[key] = buf
+                    if trace is not None:
+                        trace.append((f"W{a.kind}{a.stage}.{a.microbatch}", t0, t1))
+                    continue
+                if a.is_send:
+                    t0 = time.perf_counter()
+                    data = xp.ascontiguousarray(outbox.pop((a.kind[-1], a.stage, a.microbatch)))
+                    t = for_buffers(wire, "send", data)
+                    sends.append((t.isend(data, a.peer, message_tag(a, m, self.tag_base)), t, data, a.peer))
+                    if trace is not None:
+                        trace.append((f"{a.kind}{a.stage}.{a.microbatch}", t0, time.perf_counter()))
+                    continue
+                s, mb = a.stage, a.microbatch
+                chunk = self.chunks[s]
                 t0 = time.perf_counter()
-                if not work.is_completed():
-                    post(limit - len(posted))
-                    sends = [sw for sw in sends if not sw[0].is_completed()]
-                    while pending_grads and not work.is_completed():
-                        _materialize_grad(pending_grads.pop())
-                work.wait()
-                t1 = time.perf_counter()
-                t_wait += t1 - t0
-                inbox[key] = buf
-                if trace is not None:
-                    trace.append((f"W{a.kind}{a.stage}.{a.microbatch}", t0, t1))
-                continue
-            if a.is_send:
-                t0 = time.perf_counter()
-                data = xp.ascontiguousarray(outbox.pop((a.kind[-1], a.stage, a.microbatch)))
-                sends.append((self.comm.isend(data, a.peer, tag=message_tag(a, m, self.tag_base)), data))
-                if trace is not None:
-                    trace.append((f"{a.kind}{a.stage}.{a.microbatch}", t0, time.perf_counter()))
-                continue
-            s, mb = a.stage, a.microbatch
-            chunk = self.chunks[s]
-            t0 = time.perf_counter()
-            if a.kind == F:
-                inp = xs[mb] if s == 0 else inbox.pop((F, s, mb))
-                out, ctx = chunk.forward(inp)
-                if s == S - 1:
-                    loss, g = self.loss_fn(out, ys[mb])
-                    loss_sum += float(loss)
-                    inbox[(B, s + 1, mb)] = g * (1.0 / m)
-                elif (s + 1) % pp == r:
-                    inbox[(F, s + 1, mb)] = out
-                else:
-                    outbox[(F, s, mb)] = out
-                ctxs[(s, mb)] = inp if self.recompute else ctx
-            else:
-                gy = inbox.pop((B, s + 1, mb))
-                ctx = ctxs.pop((s, mb))
-                if self.recompute:
-                    _, ctx = chunk.forward(ctx)
-                gx = chunk.backward(gy, ctx)
-                if s > 0:
-                    if (s - 1) % pp == r:
-                        inbox[(B, s, mb)] = gx
+                if a.kind == F:
+                    inp = xs[mb] if s == 0 else inbox.pop((F, s, mb))
+                    out, ctx = chunk.forward(inp)
+                    if s == S - 1:
+                        loss, g = self.loss_fn(out, ys[mb])
+                        loss_sum += float(loss)
+                        inbox[(B, s + 1, mb)] = g * (1.0 / m)
+                    elif (s + 1) % pp == r:
+                        inbox[(F, s + 1, mb)] = out
                     else:
-                        outbox[(B, s, mb)] = gx
-            t1 = time.perf_counter()
-            dt = t1 - t0
-            t_compute += dt
-            t_kind[a.kind] += dt
-            if trace is not None:
-                trace.append((f"{a.kind}{s}.{mb}", t0, t1))
+                        outbox[(F, s, mb)] = out
+                    ctxs[(s, mb)] = inp if self.recompute else ctx
+                else:
+                    gy = inbox.pop((B, s + 1, mb))
+                    ctx = ctxs.pop((s, mb))
+                    if self.recompute:
+                        _, ctx = chunk.forward(ctx)
+                    gx = chunk.backward(gy, ctx)
+                    if s > 0:
+                        if (s - 1) % pp == r:
+                            inbox[(B, s, mb)] = gx
+                        else:
+                            outbox[(B, s, mb)] = gx
+                t1 = time.perf_counter()
+                dt = t1 - t0
+                t_compute += dt
+                t_kind[a.kind] += dt
+                if trace is not None:
+                    trace.append((f"{a.kind}{s}.{mb}", t0, t1))
+        except BaseException:  # a receive left posted would take this executor's next message
+            for request, *_ in posted:
+                _cancel(request)
+            raise
 
         t0 = time.perf_counter()
-        for w, _ in sends:
-            w.wait()
+        for request, t, _, peer in sends:
+            t.wait([request], (peer,), operation="pipeline send")
         t1 = time.perf_counter()
         t_wait += t1 - t0
         if self.trace is not None:
@@ -468,6 +488,36 @@ class PipelineParallel:
                 f"recompute={self.recompute})")
 
 
+def _done(request) -> bool:
+    """Whether ``request`` has completed; one that failed has (its transport's wait raises mpcomm's error)."""
+    try:
+        return request.Get_status()
+    except MPI.Exception:
+        return True
+
+
+def _cancel(request) -> None:
+    """Cancel a posted receive, completing it if MPI can at once (never waits: the error path must not hang)."""
+    try:
+        request.Cancel()
+        request.Test()
+    except Exception:  # already completed or failed: nothing left to take a message
+        pass
+
+
+def _unfinished(sends: list) -> list:
+    """The sends still in flight; a finished one is completed through its transport (which releases a staged
+    device copy)."""
+    out = []
+    for send in sends:
+        request, t, _, peer = send
+        if _done(request):
+            t.wait([request], (peer,), operation="pipeline send")
+        else:
+            out.append(send)
+    return out
+
+
 def _materialize_grad(p) -> None:
     """``p.grad`` <- touched zeros of ``p``'s shape (same result as allocating on first accumulation)."""
     if p.grad is None:
@@ -483,7 +533,6 @@ def _xp_of(chunk):
 
 def _tag_upper_bound(comm) -> int | None:
     try:
-        from mpi4py import MPI
         ub = comm.mpi.Get_attr(MPI.TAG_UB)
         return int(ub) if ub is not None else None
     except Exception:
