@@ -1,0 +1,98 @@
+"""Where a pipeline rank's idle time goes: per-rank compute, receive waits, sends, the final drain and the loss
+broadcast of each step, from the executor's trace.
+
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 600 mpiexec -n 2 python bench/pipeline_idle.py --schedule 1f1b
+
+The model and micro-batches are bench/pipeline_bubble.py's pp = 2 rows (TransformerMLPBlocks 192x768, 2 layers per
+chunk, 64-row micro-batches). Beside the medians, "ideal" is the step that free communication would give with the
+measured per-rank compute: the busiest rank's compute plus the other rank's first forward and last backward chunk
+(pp = 2, one chunk per rank) — what separates measured from theory that is imbalance, not messages.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from mpi4py import MPI
+
+from glibc_malloc import keep_freed_memory  # bench/glibc_malloc.py
+from mpcomm import Communicator
+from mpcomm.nn import SGD, transformer_mlp_stack
+from mpcomm.parallel.pipeline import PipelineParallel
+
+PARTS = ("compute", "forward", "backward", "wait", "send", "drain", "bcast", "other", "total")
+
+
+def step_parts(pipe: PipelineParallel) -> dict[str, float]:
+    """Seconds of each part of the step just run, from ``pipe.trace`` and ``pipe.last_timing``."""
+    trace = pipe.trace
+    parts = dict.fromkeys(PARTS, 0.0)
+    for label, t0, t1 in trace[1:]:
+        if label.startswith("WRECV"):
+            parts["wait"] += t1 - t0
+        elif label.startswith("SEND"):
+            parts["send"] += t1 - t0
+        elif label in ("drain", "bcast"):
+            parts[label] += t1 - t0
+    timing = pipe.last_timing
+    parts["compute"], parts["forward"], parts["backward"] = timing["compute"], timing["forward"], timing["backward"]
+    parts["total"] = trace[-1][2] - trace[0][1]
+    parts["other"] = parts["total"] - sum(parts[k] for k in ("compute", "wait", "send", "drain", "bcast"))
+    return parts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"))
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+    keep_freed_memory()
+    comm = Communicator(MPI.COMM_WORLD, timeout=120)
+    if comm.size != 2:
+        raise SystemExit("run with mpiexec -n 2 (one rank per pipeline stage)")
+    v = 2 if args.schedule == "interleaved-1f1b" else 1
+    model = transformer_mlp_stack(2 * 2 * v, 192, 768, seed=0)
+    pipe = PipelineParallel(model, comm, args.micro_batches, schedule=args.schedule, virtual_stages=v)
+    opt = SGD(pipe.parameters(), lr=1e-4)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.micro_batches * 64, 192))
+    y = rng.standard_normal(x.shape)
+    steps = []
+    for step in range(args.warmup + args.steps):
+        comm.barrier()
+        pipe.trace = []
+        pipe.train_step(x, y)
+        opt.step()
+        opt.zero_grad()
+        if step >= args.warmup:
+            steps.append(step_parts(pipe))
+    every = comm.mpi.gather(steps, root=0)
+    if comm.rank == 0:
+        m = args.micro_batches
+        print(f"pp = 2, {args.schedule} (v = {v}), m = {m}, 192x768; medians over {args.steps} steps, ms")
+        print("| rank | " + " | ".join(PARTS) + " |")
+        print("|---" * (len(PARTS) + 1) + "|")
+        medians = []
+        for rank, rows in enumerate(every):
+            med = {k: float(np.median([r[k] for r in rows])) * 1e3 for k in PARTS}
+            medians.append(med)
+            print(f"| {rank} | " + " | ".join(f"{med[k]:.2f}" for k in PARTS) + " |")
+        if v == 1:
+            busiest = max(range(2), key=lambda r: medians[r]["compute"])
+            other = medians[1 - busiest]
+            ideal = medians[busiest]["compute"] + (other["forward"] + other["backward"]) / m
+            total = max(med["total"] for med in medians)
+            bubble = 1 - sum(med["compute"] for med in medians) / (2 * total)
+            ideal_bubble = 1 - sum(med["compute"] for med in medians) / (2 * ideal)
+            theory = 1 / (m + 1)
+            print(f"step {total:.2f} ms, ideal with this compute {ideal:.2f} ms; bubble {bubble:.3f} = "
+                  f"{bubble / theory:.2f} x theory, with free messages {ideal_bubble:.3f} = "
+                  f"{ideal_bubble / theory:.2f} x theory")
+    comm.free()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
