@@ -40,3 +40,9 @@ def test_ddp_overlap_tiny(tmp_path):
     for row in ("compute alone", "compute alone, grads kept", "comm alone", "overlapped (DDP)", "delay_all_reduce",
                 "overlapped, gradient_as_bucket_view", "exposed wait"):
         assert row in text, text
+
+
+def test_pipeline_idle_tiny():
+    out = _run("bench/pipeline_idle.py", "--schedule", "gpipe", "--micro-batches", "2", "--steps", "1", "--warmup", "0")
+    rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
+    assert len(rows) == 2 and "ideal with this compute" in out and "x theory" in out, out
