@@ -23,6 +23,7 @@ from ...algorithms import REGISTRY
 from ...comm import Communicator
 from ...p2p import ANY_SOURCE
 from .lane import Job, Lane, done_work, p2p_work, queued_work
+from .pages import MIN_BYTES as HUGE_PAGES_FROM, HugePages
 from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, torch_error
 
 BACKEND = "mpcomm"
@@ -45,6 +46,7 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         self._owned = owned  # the MPI communicator made for this group, freed at shutdown
         self._coalescing: list | None = None  # p2p Works between _start_coalescing and _end_coalescing
         self._monitor_calls = 0
+        self._pages = HugePages()  # large tensors reduced again and again: onto 2 MiB pages (pages.py)
         self._native = self._native_allreduce()
         self._native_plan, self._native_run = self._native.functions() if self._native is not None else (None, None)
 
@@ -123,6 +125,8 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
             # native all-reduce (native_allreduce.cpp); it runs under Communicator._run, as every call does.
             plan = native_plan(tensors[0], opts)
             if plan is not None and self._lane.enter():
+                if plan.nbytes >= HUGE_PAGES_FROM:
+                    self._pages.reused(tensors[0])
                 comm = self.comm
                 self._run_here("allreduce", comm._run, comm._sync, plan, tensors[0], plan.rop)
                 return None
@@ -135,6 +139,8 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         if tensor.is_sparse:
             return self._issue("allreduce", self._allreduce_sparse(tensor, red), tensors, opts)
         array = as_reducible(tensor, "allreduce tensor")
+        if array.nbytes >= HUGE_PAGES_FROM:
+            self._pages.reused(tensor)
         if red.local is not None:
             return self._issue("allreduce", partial(self._allreduce_gathered, array, red), tensors, opts)
         return self._issue("allreduce", partial(self.comm.allreduce, array, red.name, self.algorithm), tensors, opts)
@@ -153,6 +159,8 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
             return False
         if not self._lane.enter():
             return False
+        if array.nbytes >= HUGE_PAGES_FROM:
+            self._pages.reused(tensor)
         self._run_here("allreduce", self.comm.allreduce, array, red.name, self.algorithm)
         return True
 

@@ -1,0 +1,59 @@
+"""Large tensors reduced again and again moved onto 2 MiB pages, once each.
+
+MPICH moves a large message between two processes of a host in one copy (CMA), pinning and walking the sender's
+pages; on the 4 KiB pages torch allocates by default that costs a 64 MiB all-reduce ~26 % (13.5 vs 9.9 ms here,
+bench/results/page_size.md). So the second time a group reduces the same tensor storage of at least
+``MIN_BYTES`` — a DDP bucket, a gradient buffer: memory a training loop reuses — the backend asks the kernel to
+back it with huge pages (``madvise(MADV_COLLAPSE)``, Linux >= 6.1; the contents stay as they are). That costs
+~16-65 ms per 64 MiB once; a storage seen only once (a temporary) is never touched. ``MPCOMM_TORCH_HUGEPAGES=0``
+switches it off; where the kernel refuses (older kernels, THP disabled) nothing is tried again.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import weakref
+
+import torch
+
+SWITCH = "MPCOMM_TORCH_HUGEPAGES"
+MIN_BYTES = 8 << 20  # smaller buffers hold few whole 2 MiB pages and gain little (16 MiB: 3.0 -> 2.3 ms)
+_HUGE = 2 << 20
+_MADV_COLLAPSE = 25  # linux/mman.h
+
+
+class HugePages:
+    """Which large storages this group has reduced, and the ones already moved onto huge pages."""
+
+    def __init__(self):
+        self.enabled = os.environ.get(SWITCH, "1") != "0"
+        self._seen: weakref.WeakSet = weakref.WeakSet()  # a storage leaves both sets when torch frees it
+        self._collapsed: weakref.WeakSet = weakref.WeakSet()
+        self._madvise = None
+
+    def reused(self, tensor: torch.Tensor) -> None:
+        """Note a reduction of ``tensor`` (a dense CPU tensor of at least ``MIN_BYTES``, which the caller checks:
+        small calls stay as cheap as they were); the second one of its storage collapses the storage."""
+        if not self.enabled:
+            return
+        storage = tensor.untyped_storage()
+        if storage in self._collapsed:
+            return
+        if storage not in self._seen:
+            self._seen.add(storage)
+            return
+        self._collapsed.add(storage)
+        self._collapse(storage.data_ptr(), storage.nbytes())
+
+    def _collapse(self, address: int, nbytes: int) -> None:
+        start = -(-address // _HUGE) * _HUGE  # the whole 2 MiB pages inside the storage
+        end = (address + nbytes) // _HUGE * _HUGE
+        if end <= start:
+            return
+        if self._madvise is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            self._madvise = libc.madvise
+            self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        if self._madvise(start, end - start, _MADV_COLLAPSE) != 0 and ctypes.get_errno() == errno.EINVAL:
+            self.enabled = False  # the kernel has no MADV_COLLAPSE (or no THP): not tried again

@@ -1,0 +1,97 @@
+"""Large tensors the backend reduces again and again go onto 2 MiB pages (``mpcomm/integrations/torch/pages.py``):
+the second reduction of a storage of at least ``MIN_BYTES`` collapses it, once; a storage reduced once, a small
+one, or any with ``MPCOMM_TORCH_HUGEPAGES=0`` is left as it is; the contents never change, and the all-reduce
+still gives numpy's reduction of the gathered inputs on every rank.
+
+Whether memory is on huge pages is read from the kernel (``AnonHugePages`` of the tensor's mapping in
+``/proc/self/smaps``). The tensors are 40 MiB, above glibc's largest mmap threshold, so each is a fresh mapping of
+its own, on 4 KiB pages until collapsed where transparent huge pages are used only on request ("madvise", the
+default of most distributions, this machine's included); elsewhere (off, or "always": torch's memory is on huge
+pages already) these tests skip.
+
+Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torch_backend/test_huge_pages.py``.
+"""
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import WORLD, assert_bitwise_equal, gather, in_step
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from mpcomm.integrations.torch import pages  # noqa: E402
+from torch_groups import pg  # noqa: E402,F401  (tests/torch_groups.py: the fixture)
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+pytestmark = [pytest.mark.torch,
+              pytest.mark.skipif(not THP.exists() or "[madvise]" not in THP.read_text(),
+                                 reason="transparent huge pages are not in 'madvise' mode on this machine")]
+ELEMENTS = 10 << 20  # float32: 40 MiB, at least 19 whole 2 MiB pages wherever it starts
+WHOLE_PAGES_KIB = 19 * 2048
+
+
+def huge_kib(tensor) -> int:
+    """kB of the mapping holding ``tensor``'s first byte that the kernel backs with transparent huge pages."""
+    address, inside = tensor.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            start, end = (int(x, 16) for x in first.split("-"))
+            inside = start <= address < end
+        elif inside and first == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds address {address:#x}")
+
+
+def test_a_storage_reduced_a_second_time_moves_onto_huge_pages_once():
+    reducing = pages.HugePages()
+    tensor = torch.arange(ELEMENTS, dtype=torch.float32)
+    before, contents = huge_kib(tensor), tensor.clone()
+    reducing.reused(tensor)
+    assert huge_kib(tensor) == before, "a storage reduced once is left alone"
+    reducing.reused(tensor[1:])  # a view of the same storage: the same storage seen again
+    assert huge_kib(tensor) >= before + WHOLE_PAGES_KIB
+    assert torch.equal(tensor, contents)
+    other = torch.ones(ELEMENTS)
+    other_before = huge_kib(other)
+    reducing.reused(other)
+    assert huge_kib(other) == other_before
+    del tensor, other
+    gc.collect()
+    assert len(reducing._seen) == 0 and len(reducing._collapsed) == 0, "freed storages are forgotten"
+
+
+def test_the_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv(pages.SWITCH, "0")
+    reducing = pages.HugePages()
+    tensor = torch.ones(ELEMENTS)
+    before = huge_kib(tensor)
+    for _ in range(3):
+        reducing.reused(tensor)
+    assert huge_kib(tensor) == before
+
+
+@pytest.mark.mpi
+def test_dist_all_reduce_of_a_reused_large_tensor_is_right_and_on_huge_pages(pg):
+    """Three synchronous and one asynchronous all-reduce of the same 40 MiB tensor: each equals numpy's sum of
+    the gathered inputs, bitwise on every rank, and after the second the tensor is on huge pages."""
+    rank = WORLD.Get_rank()
+    tensor = torch.empty(ELEMENTS, dtype=torch.float32)
+    before = huge_kib(tensor)
+    for call in range(4):
+        start = (torch.arange(ELEMENTS) % 1000 + 3 * rank + call).to(torch.float32)  # exact sums in float32
+        tensor.copy_(start)
+        expected = np.sum(gather(start.numpy()), axis=0, dtype=np.float32)
+        if call < 3:
+            in_step(lambda: dist.all_reduce(tensor))
+        else:
+            in_step(lambda: dist.all_reduce(tensor, async_op=True).wait())
+        assert np.array_equal(tensor.numpy(), expected)
+        assert_bitwise_equal(gather(tensor.numpy()))
+        if call == 0:
+            assert huge_kib(tensor) == before
+    assert huge_kib(tensor) >= before + WHOLE_PAGES_KIB
