@@ -14,7 +14,9 @@ SUM all-reduce of a float32 tensor (or numpy array) of each size:
 numpy asks the kernel for transparent huge pages for large arrays; torch's CPU allocator does so only with
 ``THP_MEM_ALLOC_ENABLE=1`` in the environment (read at its first allocation, so it must be set before Python
 starts). Large all-reduces on 4 KiB pages run markedly slower here (TLB misses in MPI's copies and the
-reductions), so the report says which the tensors had; ``mpcomm`` (numpy arrays) has huge pages either way.
+reductions), so the report says which the tensors had; ``mpcomm`` (numpy arrays) has huge pages either way. The
+backend itself moves a large tensor it reduces a second time onto huge pages (``mpcomm/integrations/torch/pages.py``,
+off with ``MPCOMM_TORCH_HUGEPAGES=0``); the tensors here are reused call after call, as DDP's buckets are.
 
 A second table splits the 8 B call into its layers, each timed the same way: raw ``Allreduce``;
 ``Communicator.allreduce`` on a numpy array; what the backend runs: with its C++ extension
@@ -49,6 +51,7 @@ import torch.distributed as dist  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpcomm.integrations.torch  # noqa: E402,F401  (registers the backend; fills in env:// variables)
+from mpcomm.integrations.torch.pages import SWITCH  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 CONTENDERS = ("mpi4py", "mpcomm", "dist/mpcomm", "dist/gloo")
@@ -139,9 +142,14 @@ def measure(calls: dict, nbytes: int, args) -> dict[str, list[float]]:
 def report(results: dict, p: int, args, load_before, load_after) -> str:
     factor = 2 * (p - 1) / p
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
-    lines = [f"## {p} ranks, torch allocations {'on huge pages (THP_MEM_ALLOC_ENABLE=1)' if thp == '1' else 'on 4 KiB pages'}",
+    collapse = os.environ.get(SWITCH, "1") != "0"
+    pages = ("on huge pages (THP_MEM_ALLOC_ENABLE=1)" if thp == "1" else
+             "on 4 KiB pages, the backend moving reused large tensors onto huge pages" if collapse else
+             f"on 4 KiB pages ({SWITCH}=0)")
+    lines = [f"## {p} ranks, torch allocations {pages}",
              "",
-             f"Command: `{'THP_MEM_ALLOC_ENABLE=1 ' if thp else ''}OMP_NUM_THREADS=1 timeout 900 mpiexec -n {p} python "
+             f"Command: `{'THP_MEM_ALLOC_ENABLE=1 ' if thp else ''}{'' if collapse else SWITCH + '=0 '}"
+             f"OMP_NUM_THREADS=1 timeout 900 mpiexec -n {p} python "
              f"bench/torch_allreduce.py --sizes {args.sizes} --rounds {args.rounds} --calls {args.calls} "
              f"--budget {args.budget}`", "",
              f"Machine: {os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, torch "
