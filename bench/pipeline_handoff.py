@@ -24,12 +24,11 @@ import re
 import time
 
 import numpy as np
-from mpi4py import MPI
 
-from glibc_malloc import keep_freed_memory  # bench/glibc_malloc.py
 from mpcomm import Communicator
-from mpcomm.nn import SGD, transformer_mlp_stack
+from mpcomm.nn import transformer_mlp_stack
 from mpcomm.parallel.pipeline import PipelineParallel
+from traced_pipeline import traced_steps, two_ranks  # bench/traced_pipeline.py
 
 _ACTION = re.compile(r"^(WRECV_)?([FB])(\d+)\.(\d+)$")  # compute "F1.3"; waited receive "WRECV_F1.3"
 
@@ -87,27 +86,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args(argv)
-    keep_freed_memory()
-    comm = Communicator(MPI.COMM_WORLD, timeout=120)
-    if comm.size != 2:
-        raise SystemExit("run with mpiexec -n 2 (one rank per pipeline stage)")
+    comm = two_ranks()
     d_model, d_hidden = (int(x) for x in args.width.split("x"))
     model = transformer_mlp_stack(2 * args.layers_per_stage, d_model, d_hidden, seed=0)
     pipe = PipelineParallel(model, comm, args.micro_batches, schedule="1f1b")
-    opt = SGD(pipe.parameters(), lr=1e-4)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.micro_batches * args.mb_rows, d_model))
     y = rng.standard_normal(x.shape)
     gaps = []
-    for step in range(args.warmup + args.steps):
-        comm.barrier()
-        pipe.trace = []
-        pipe.train_step(x, y)
-        opt.step()
-        opt.zero_grad()
-        traces = comm.mpi.allgather(pipe.trace)
-        if step >= args.warmup:
-            gaps.extend(handoffs(traces))
+    for _ in traced_steps(pipe, x, y, args.steps, args.warmup):
+        gaps.extend(handoffs(comm.mpi.allgather(pipe.trace)))
     first = pipe.chunks[0]  # rank 0's stage: the floor's sender computes what the pipeline's does
     floor = handoff_floor(comm, lambda: first.forward(x[: args.mb_rows])[0], (args.mb_rows, d_model),
                           args.steps * 8)

@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from mpi4py import MPI
 
-from glibc_malloc import keep_freed_memory  # bench/glibc_malloc.py
-from mpcomm import Communicator
-from mpcomm.nn import SGD, transformer_mlp_stack
+from mpcomm.nn import transformer_mlp_stack
 from mpcomm.parallel.pipeline import PipelineParallel
+from traced_pipeline import traced_steps, two_ranks  # bench/traced_pipeline.py
 
 PARTS = ("compute", "forward", "backward", "wait", "send", "drain", "bcast", "other", "total")
 
@@ -48,26 +46,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args(argv)
-    keep_freed_memory()
-    comm = Communicator(MPI.COMM_WORLD, timeout=120)
-    if comm.size != 2:
-        raise SystemExit("run with mpiexec -n 2 (one rank per pipeline stage)")
+    comm = two_ranks()
     v = 2 if args.schedule == "interleaved-1f1b" else 1
     model = transformer_mlp_stack(2 * 2 * v, 192, 768, seed=0)
     pipe = PipelineParallel(model, comm, args.micro_batches, schedule=args.schedule, virtual_stages=v)
-    opt = SGD(pipe.parameters(), lr=1e-4)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.micro_batches * 64, 192))
     y = rng.standard_normal(x.shape)
-    steps = []
-    for step in range(args.warmup + args.steps):
-        comm.barrier()
-        pipe.trace = []
-        pipe.train_step(x, y)
-        opt.step()
-        opt.zero_grad()
-        if step >= args.warmup:
-            steps.append(step_parts(pipe))
+    steps = [step_parts(pipe) for _ in traced_steps(pipe, x, y, args.steps, args.warmup)]
     every = comm.mpi.gather(steps, root=0)
     if comm.rank == 0:
         m = args.micro_batches
