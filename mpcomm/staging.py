@@ -238,6 +238,9 @@ class DirectTransport(_DeviceTransport):
     def wait(self, requests, peers, expected=(), timeout=None, **names) -> None:
         self.inner.wait(requests, peers, expected, timeout, **names)
 
+    def wait_one(self, request, peers=None, status=None, operation=None) -> None:
+        self.inner.wait_one(request, peers, status, operation)
+
     def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0) -> None:
         self.synchronize_caller()
         self.inner.sendrecv(sendbuf, dst, recvbuf, src, tag)

@@ -34,7 +34,9 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         t.wait_one(t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
         _from_keys(keys, buf)
         return
-    if buf.nbytes <= PERSISTENT_BYTES:  # latency-bound: a persistent request on a scratch copy is quicker
+    # Latency-bound sizes: a persistent request over a scratch copy is quicker (a device array here is on a
+    # CUDA-aware MPI's direct path, and goes to MPI as it is).
+    if buf.nbytes <= PERSISTENT_BYTES and type(buf) is np.ndarray:
         request, scratch = t.persistent_allreduce(dtype, buf.size, op)
         scratch[...] = buf
         request.Start()
