@@ -10,7 +10,6 @@ import os
 import pickle
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
@@ -35,8 +34,6 @@ _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS = 8, 2
 # computes meanwhile, and a spinning background thread would take its core (and the GIL) for as long as the
 # wire is busy. Waking late by a few percent of a wait that long is what it costs.
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
-# How many kinds (dtype, count, op) of small all-reduce keep a persistent request (Transport.persistent_allreduce).
-PERSISTENT_KINDS = 32
 
 
 class Transport:
@@ -52,7 +49,6 @@ class Transport:
         self.operation = "communication"
         self._ranks_per_node = ranks_per_node
         self._scratch: dict = {}
-        self._persistent: OrderedDict = OrderedDict()  # see persistent_allreduce
         self._node: Transport | None = None
         self._cross: Transport | None = None
         self._uniform: bool | None = None
@@ -92,26 +88,6 @@ class Transport:
             buf = _array_module(like).empty(max(nbytes, 64), dtype=np.uint8)
             self._scratch[key] = buf
         return buf[:nbytes].view(dtype)
-
-    def persistent_allreduce(self, dtype: np.dtype, count: int, op) -> tuple[MPI.Prequest, np.ndarray]:
-        """A persistent in-place all-reduce (``MPI_Allreduce_init``) of ``count`` elements of ``dtype`` with
-        ``op`` (a ReduceOp) on a scratch array of its own: ``(request, scratch)``.
-
-        Starting one costs MPICH ~1.1 us at p = 2 where a fresh ``Iallreduce`` costs ~2.3 (the small all-reduce is
-        latency-bound). Made on the first call of its kind on this transport — as every rank makes the same calls
-        in the same order, each rank makes it at the same call, as MPI requires (``MPI_Allreduce_init`` is local
-        in MPICH) — and kept for the ``PERSISTENT_KINDS`` kinds used last (freeing one is local too).
-        """
-        key = (dtype, count, op.name)
-        made = self._persistent.get(key)
-        if made is None:
-            scratch = np.empty(count, dtype=dtype)
-            made = self._persistent[key] = (self.mpi.Allreduce_init(MPI.IN_PLACE, scratch, op.mpi), scratch)
-            if len(self._persistent) > PERSISTENT_KINDS:
-                self._persistent.popitem(last=False)[1][0].Free()
-        else:
-            self._persistent.move_to_end(key)
-        return made
 
     # ------------------------------------------------------------------ messages
     def isend(self, buf, dst: int, tag: int = 0) -> MPI.Request:
@@ -256,10 +232,7 @@ class Transport:
             sub.spins_before_yield, sub.quick_tests = self.spins_before_yield, self.quick_tests
 
     def free(self) -> None:
-        """Release the MPI communicators this transport owns (and its persistent requests)."""
-        for request, _ in self._persistent.values():
-            request.Free()
-        self._persistent.clear()
+        """Release the MPI communicators this transport owns."""
         for sub in (self._node, self._cross):
             if sub is not None:
                 sub.free()
@@ -292,8 +265,8 @@ class Transport:
             else:
                 os.sched_yield()
             if now > deadline:
-                for request in requests:  # (a persistent collective cannot be cancelled: MPICH aborts the process)
-                    if request != MPI.REQUEST_NULL and type(request) is not MPI.Prequest:
+                for request in requests:
+                    if request != MPI.REQUEST_NULL:
                         try:
                             request.Cancel()
                         except MPI.Exception:

@@ -440,39 +440,3 @@ def test_stats_seconds_are_measured(key):
         if r > 0:
             waited = rank0_start - start
             assert record["seconds"] >= waited - 0.25, f"rank {r}: recorded {record['seconds']} s, waited {waited} s"
-
-
-# ------------------------------------------------------------------------------------------ persistent requests
-def test_small_native_allreduce_keeps_a_persistent_request_per_kind_and_few_of_them():
-    """Small native all-reduces run on persistent requests (``Transport.persistent_allreduce``): one per kind
-    (dtype, count, op), reused call after call, at most ``PERSISTENT_KINDS`` kept (the least recently used freed
-    and made again when its kind comes back), none for larger messages, all freed with the Communicator; every
-    result is numpy's reduction of the gathered inputs."""
-    from mpcomm.algorithms.native import PERSISTENT_BYTES
-    from mpcomm.transport import PERSISTENT_KINDS
-
-    comm = Communicator(WORLD)
-    sizes = [3] * 3 + list(range(1, PERSISTENT_KINDS + 6)) + [3, PERSISTENT_BYTES // 8 + 1]
-    kept = []
-
-    def run():
-        cases = []
-        for i, n in enumerate(sizes):
-            x = make_input(np.float64, "sum", (n,), comm.rank, seed=i)
-            buf = x.copy()
-            comm.allreduce(buf, algorithm="native")
-            cases.append((x, buf))
-            kept.append(len(comm._sync._persistent))
-        return cases
-
-    everyone = run_gathered(run)
-    persistent = comm._sync._persistent
-    freed = comm.free()
-    for i, n in enumerate(sizes):
-        results = [c[i][1] for c in everyone]
-        assert_bitwise_equal(results, f"call {i} ({n} elements)")
-        assert_reduced(results[0], [c[i][0] for c in everyone], "sum", what=f"call {i}")
-    if comm.size > 1:  # (one rank: nothing to reduce, no MPI call)
-        assert kept[:3] == [1, 1, 1], "one request for one kind, reused"
-        assert max(kept) == PERSISTENT_KINDS and kept[-1] == kept[-2] == PERSISTENT_KINDS
-    assert freed and not persistent

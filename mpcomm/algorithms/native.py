@@ -20,10 +20,6 @@ from ..transport import Transport
 _KEYS = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
 _MIN_MAX = (MIN, MAX)
 _SMALL = 16  # up to this many elements a NaN is looked for by a sum in Python (see _has_nan)
-# Up to this size an all-reduce runs on a persistent request (Transport.persistent_allreduce): at p = 2
-# comm.allreduce takes 4.5 instead of 5.1 us at 8 B and 5.5 instead of 6.1-6.2 at 512 B; at 4 KiB it took 9.3
-# instead of 8.4 (bench/results/small_messages.md), so larger ones stay on Iallreduce.
-PERSISTENT_BYTES = 1024
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
 
 
@@ -34,19 +30,9 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         t.wait_one(t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
         _from_keys(keys, buf)
         return
-    # Latency-bound sizes: a persistent request over a scratch copy is quicker (a device array here is on a
-    # CUDA-aware MPI's direct path, and goes to MPI as it is).
-    if buf.nbytes <= PERSISTENT_BYTES and type(buf) is np.ndarray:
-        request, scratch = t.persistent_allreduce(dtype, buf.size, op)
-        scratch[...] = buf
-        request.Start()
-        if not (request.Test() or request.Test()):  # (most small ones are done by the second Test at p = 2)
-            t.wait_one(request)
-        buf[...] = scratch
-    else:
-        request = t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi)
-        if not (request.Test() or request.Test()):
-            t.wait_one(request)
+    request = t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi)
+    if not (request.Test() or request.Test()):  # (most small ones are done by the second Test at p = 2)
+        t.wait_one(request)
     if op.divisor != 1:
         op.finish(buf)
     if dtype.kind in "fc" and t.size > 1:
