@@ -25,6 +25,7 @@ import faulthandler
 import importlib.util
 import json
 import os
+import random
 import shutil
 import socket
 import sys
@@ -32,6 +33,7 @@ import tempfile
 import time
 import traceback
 import unittest
+from pathlib import Path
 
 from mpi4py import MPI
 
@@ -70,9 +72,19 @@ def prepare_environment(args: argparse.Namespace) -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and below the kernel's ephemeral range, where no outgoing connection takes its local port:
+    one from that range (what binding port 0 gives) was once taken by a connection of this very job between being
+    chosen and the store listening on it (EADDRINUSE, test_all_reduce_product, one run in many)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random().sample(range(10000, max(low, 10001)), min(200, max(low - 10000, 1))):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds it
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in 10000..{low - 1} (below the ephemeral range) on 127.0.0.1")
 
 
 def load_test_module(name_as: str):
