@@ -25,7 +25,6 @@ import faulthandler
 import importlib.util
 import json
 import os
-import random
 import shutil
 import socket
 import sys
@@ -33,9 +32,10 @@ import tempfile
 import time
 import traceback
 import unittest
-from pathlib import Path
 
 from mpi4py import MPI
+
+from mpcomm.integrations.ports import free_port
 
 WORLD = MPI.COMM_WORLD
 
@@ -69,22 +69,6 @@ def prepare_environment(args: argparse.Namespace) -> str:
                       MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return temp_dir
-
-
-def _free_port() -> int:
-    """A port free now and below the kernel's ephemeral range, where no outgoing connection takes its local port:
-    one from that range (what binding port 0 gives) was once taken by a connection of this very job between being
-    chosen and the store listening on it (EADDRINUSE, test_all_reduce_product, one run in many)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.Random().sample(range(10000, max(low, 10001)), min(200, max(low - 10000, 1))):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds it
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in 10000..{low - 1} (below the ephemeral range) on 127.0.0.1")
 
 
 def load_test_module(name_as: str):
@@ -122,7 +106,7 @@ def build_case_class(dt, backend: str):
             if self.rank == 0:
                 dt.Barrier.init()
             dt.Barrier.barrier_id = 0
-            os.environ["MASTER_PORT"] = str(WORLD.bcast(_free_port() if self.rank == 0 else None, root=0))
+            os.environ["MASTER_PORT"] = str(WORLD.bcast(free_port() if self.rank == 0 else None, root=0))
             WORLD.Barrier()
             seconds = dt.CUSTOM_PG_TIMEOUT.get(self._testMethodName, dt.default_pg_timeout)
             dist.init_process_group(init_method=os.environ["INIT_METHOD"], backend=backend,

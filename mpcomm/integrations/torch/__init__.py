@@ -28,6 +28,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ...comm import Communicator
+from ..ports import free_port
 from .group import BACKEND, ProcessGroupMpcomm
 from .tensors import as_numpy, reduce_op_name, reduction
 
@@ -105,7 +106,7 @@ def set_env_rendezvous_defaults() -> dict[str, str]:
     if world.allreduce(missing, op=MPI.MAX):  # every rank takes the same branch
         if world.Get_rank() == 0:
             name = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_host else socket.gethostname())
-            address = (name, os.environ.get("MASTER_PORT") or str(_free_port(name)))
+            address = (name, os.environ.get("MASTER_PORT") or str(free_port(name)))
         address = world.bcast(address, root=0)
     values = {"RANK": str(world.Get_rank()), "WORLD_SIZE": str(world.Get_size()), "LOCAL_RANK": str(local_rank)}
     if address is not None:
@@ -131,14 +132,6 @@ def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ran
         raise ValueError(f"monitored_barrier: {group!r} is not an mpcomm process group (for gloo groups use "
                          "dist.monitored_barrier)")
     group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
-
-
-def _free_port(address: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 register()
