@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from .buffers import SUPPORTED_DTYPES, as_input, as_output
 from .errors import CommTimeoutError, MpcommError
-from .transport import Transport, _error_text
+from .transport import Transport, _error_text, cancel
 from .work import Work, wait_timeout
 
 INLINE_BYTES = 4096
@@ -362,10 +362,7 @@ class RecvWork(Work):
             if elapsed > limit:
                 channels.forget(self)
                 if not self._opened:  # not opened meanwhile: give up on it
-                    try:
-                        self._request.Cancel()
-                    except MPI.Exception:
-                        pass
+                    cancel(self._request)
                     peers = channels.envelopes.others if self._src == MPI.ANY_SOURCE else (self._src,)
                     channels.envelopes.failed = True
                     raise CommTimeoutError(self._describe(), peers, elapsed, limit, channels.rank, ON_TIMEOUT)

@@ -39,6 +39,7 @@ from .algorithms import REGISTRY
 from .buffers import as_array, is_device_array, same_device
 from .cuda import cuda_aware
 from .errors import CommTimeoutError, MpcommError
+from .transport import cancel
 
 CHUNK_ENV = "MPCOMM_STAGING_CHUNK"
 DEFAULT_CHUNK = 1 << 20
@@ -509,9 +510,9 @@ class StagedTransport(_DeviceTransport):
         except BaseException:
             for entry in incoming:
                 for request in entry["requests"][entry["next"]:]:
-                    _cancel(request)
+                    cancel(request)
             for request in send_requests:
-                _cancel(request)
+                cancel(request)
             copier.sync_d2h()
             copier.sync_h2d()
             raise
@@ -543,13 +544,6 @@ class StagedTransport(_DeviceTransport):
                     copier.to_device(array, host_args[i].reshape(-1).view(np.uint8))
             copier.sync_h2d()
 
-
-def _cancel(request) -> None:
-    if request != MPI.REQUEST_NULL:
-        try:
-            request.Cancel()
-        except MPI.Exception:
-            pass
 
 
 __all__ = [

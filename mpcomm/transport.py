@@ -266,14 +266,19 @@ class Transport:
                 os.sched_yield()
             if now > deadline:
                 for request in requests:
-                    if request != MPI.REQUEST_NULL:
-                        try:
-                            request.Cancel()
-                        except MPI.Exception:
-                            pass
+                    cancel(request)
                 self.failed = True
                 raise CommTimeoutError(operation or self.operation, peers, now - start, timeout, self.rank,
                                        self.on_timeout)
+
+
+def cancel(request: MPI.Request) -> None:
+    """Cancel ``request`` if it is still active; one MPI cannot cancel (a collective's) is left as it is."""
+    if request != MPI.REQUEST_NULL:
+        try:
+            request.Cancel()
+        except MPI.Exception:
+            pass
 
 
 class _Limited:

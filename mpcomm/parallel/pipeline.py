@@ -58,6 +58,7 @@ from mpcomm.errors import ConfigError
 from mpcomm.nn import Sequential, mse_loss
 from mpcomm.nn.backend import array_module
 from mpcomm.staging import for_buffers
+from mpcomm.transport import cancel
 
 from .schedules import (B, F, RECV_F, SCHEDULES, message_tag, schedule as make_schedule,
                         with_communication)
@@ -445,7 +446,7 @@ class PipelineParallel:
                     trace.append((f"{a.kind}{s}.{mb}", t0, t1))
         except BaseException:  # a receive left posted would take this executor's next message
             for request, *_ in posted:
-                _cancel(request)
+                cancel(request)
             raise
 
         t0 = time.perf_counter()
@@ -494,15 +495,6 @@ def _done(request) -> bool:
         return request.Get_status()
     except MPI.Exception:
         return True
-
-
-def _cancel(request) -> None:
-    """Cancel a posted receive, completing it if MPI can at once (never waits: the error path must not hang)."""
-    try:
-        request.Cancel()
-        request.Test()
-    except Exception:  # already completed or failed: nothing left to take a message
-        pass
 
 
 def _unfinished(sends: list) -> list:
