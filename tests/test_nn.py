@@ -155,6 +155,39 @@ def test_grad_hooks_fire_once_in_reverse_order_and_remove():
     assert fired == []
 
 
+class _LoggedWeight(np.ndarray):
+    """A weight array that logs ``grad @ weight`` (a Linear's input gradient) into its ``log``, noting whether
+    the weight's gradient existed by then."""
+
+    def __rmatmul__(self, other):
+        self.log.append(f"input grad (weight grad {'set' if self.param.grad is not None else 'unset'})")
+        return np.asarray(other) @ np.asarray(self)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("hooked", [True, False])
+def test_linear_finishes_the_awaited_gradient_first(hooked, with_bias):
+    # hooked (DDP launches a bucket from the hooks): the parameters' first, so the first layer's all-reduce, which
+    # no later backward can hide, overlaps the matmul of its input gradient; otherwise the input's first (the next
+    # backward or pipeline stage waits for it)
+    lin = nn.Linear(3, 2, bias=with_bias, seed=0)
+    log: list = []
+    if hooked:
+        for p in lin.parameters():
+            p.register_grad_hook(lambda p: log.append(p.name))
+    assert lin.weight.awaited == hooked
+    y, ctx = lin.forward(rng().standard_normal((4, 3)))
+    weight = lin.weight.data.view(_LoggedWeight)  # from here on
+    weight.log, weight.param = log, lin.weight
+    lin.weight.data = weight
+    gx = lin.backward(np.ones_like(y), ctx)
+    if hooked:
+        assert log == (["bias", "weight"] if with_bias else ["weight"]) + ["input grad (weight grad set)"]
+    else:
+        assert log == ["input grad (weight grad unset)"]
+    np.testing.assert_allclose(gx, np.ones_like(y) @ np.asarray(lin.weight.data))
+
+
 def test_module_hooks_fire_at_every_level_and_remove():
     m = nn.mlp([3, 4, 2], seed=0)
     events = []

@@ -73,6 +73,12 @@ class Linear(Module):
         return y, x
 
     def _backward(self, grad, x):
+        # Whichever gradient is awaited first. A hooked weight's (DDP launches its bucket from the hook): the
+        # all-reduce of the first layer's, which no later backward can hide, then overlaps the input gradient's
+        # matmul. Otherwise the input's: the next backward (or pipeline stage) needs it, the weight's only the step.
+        if self.weight.awaited:
+            finish_linear_grads(self.weight, self.bias, grad, x)
+            return grad @ self.weight.data
         gx = grad @ self.weight.data
         finish_linear_grads(self.weight, self.bias, grad, x)
         return gx

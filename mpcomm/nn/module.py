@@ -66,6 +66,11 @@ class Parameter:
         """Call ``fn(param)`` each time this parameter's gradient for a backward is complete."""
         return RemovableHandle(self._grad_hooks, fn)
 
+    @property
+    def awaited(self) -> bool:
+        """Whether a grad hook waits for this gradient (DDP's buckets): layers then finish it before their input's."""
+        return bool(self._grad_hooks)
+
     def _grad_ready(self) -> None:
         for fn in list(self._grad_hooks.values()):
             fn(self)
