@@ -545,7 +545,6 @@ class StagedTransport(_DeviceTransport):
             copier.sync_h2d()
 
 
-
 __all__ = [
     "DirectTransport",
     "StagedTransport",

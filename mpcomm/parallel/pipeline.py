@@ -357,7 +357,7 @@ class PipelineParallel:
         xp = _xp_of(self.chunks[self.stages[0]])
         recvs = self._receive_plan()
         trace = self.trace
-        posted: deque = deque()  # (work, buffer, inbox key) of posted receives, in the order actions consume them
+        posted: deque = deque()  # (request, transport, buffer, peer, inbox key, label) of posted receives, in order
         next_post = 0  # index into recvs of the next receive to post
         sends: list[tuple[Any, Any, Any, int]] = []  # (request, transport, data, peer) of sends in flight
         inbox: dict[tuple[str, int, int], Any] = {}  # (F|B, stage, mb) -> received / local input
