@@ -15,7 +15,7 @@ from conftest import WORLD, assert_identical_across_ranks, run_gathered
 
 from mpcomm import Communicator, CommTimeoutError
 from mpcomm.algorithms import ALLREDUCE
-from mpcomm.algorithms.auto import CostModel, Layout, Selector
+from mpcomm.algorithms.auto import STEADY, STEADY_MARGIN, CostModel, Layout, Selector
 from mpcomm.topology import NetworkMeasurement, measure
 
 P = WORLD.Get_size()
@@ -31,13 +31,13 @@ def test_with_network_sets_the_network_terms_only():
 
 
 @pytest.mark.parametrize("node_sizes, factors", [
-    ((2, 2), {"ring": 1.5, "rhd": 2.0, "hierarchical": 1.0}),
-    ((1, 1, 1, 1), {"ring": 1.5, "rhd": 1.5, "hierarchical": 1.5}),
+    ((2, 2), {"ring": 1.5, "rhd": 2.0, "hierarchical": 1.0, "native": 1.1}),  # native: + its node's tree, scaled
+    ((1, 1, 1, 1), {"ring": 1.5, "rhd": 1.5, "hierarchical": 1.5, "native": 1.5}),
 ])
 def test_slow_network_costs_are_the_bytes_on_each_nodes_link(node_sizes, factors):
     """At a size where the network term dominates, each algorithm costs (bytes its node's link carries) x
     beta_net: the factors counted by hand (and on the NIC counters in tests/cluster); the rest, a few %, is
-    the intra-node part."""
+    the intra-node part. ``native`` too: its shared-memory byte scale does not slow the link."""
     model, n = CostModel().with_network(GIGABIT), float(1 << 30)
     layout = Layout(sum(node_sizes), node_sizes)
     for algorithm, factor in factors.items():
@@ -45,16 +45,35 @@ def test_slow_network_costs_are_the_bytes_on_each_nodes_link(node_sizes, factors
 
 
 def test_measured_gigabit_network_prefers_node_aware_algorithms():
-    """1 Gbit/s between nodes of 2 ranks: hierarchical (the link carries n) from 64 KiB, where the default
+    """1 Gbit/s between nodes of 2 ranks: a node-aware algorithm (the link carries n) from 64 KiB, the MPI
+    library's at 64 KiB (fewer Python steps, the same bytes) and hierarchical from 256 KiB, where the default
     100 Gb/s-class model keeps the flat algorithms that load each link with 1.5-2 n."""
     candidates = {"allreduce": tuple(ALLREDUCE)}
     measured = Selector(Layout(4, (2, 2)), candidates, CostModel().with_network(GIGABIT), network=GIGABIT)
     assumed = Selector(Layout(4, (2, 2)), candidates)
     sizes = [1 << k for k in range(16, 27, 2)]
-    assert [measured.predict("allreduce", n) for n in sizes] == ["hierarchical"] * len(sizes)
+    assert [measured.predict("allreduce", n) for n in sizes] == ["native"] + ["hierarchical"] * (len(sizes) - 1)
     assert assumed.predict("allreduce", 1 << 26) != "hierarchical"
-    flat = Selector(Layout(4, (1, 1, 1, 1)), candidates, CostModel().with_network(GIGABIT))
-    assert {flat.predict("allreduce", n) for n in sizes} <= {"rhd", "hierarchical", "ring", "ring_pipelined"}
+
+
+def test_across_nodes_a_ring_within_the_margin_is_preferred():
+    """4 nodes of 1 rank at 1 Gbit/s: every scheme but the tree moves 1.5 n per link; from 1 MiB the model
+    prices them within 1 % and the ring family (same two peers all call long) is taken over the cheapest,
+    which changes partner every round; at 64 KiB the ring's 2(p-1) steps cost more than the margin."""
+    candidates = {"allreduce": tuple(ALLREDUCE)}
+    model = CostModel().with_network(GIGABIT)
+    flat = Selector(Layout(4, (1, 1, 1, 1)), candidates, model)
+    for n in (1 << 20, 1 << 22):
+        costs = {a: model.allreduce(a, n, flat.layout) for a in ALLREDUCE}
+        assert min(costs, key=costs.get) not in STEADY  # the rule, not the raw minimum, picks the ring here
+        choice = flat.predict("allreduce", n)
+        assert choice in STEADY and costs[choice] <= min(costs.values()) * (1 + STEADY_MARGIN)
+    assert flat.predict("allreduce", 1 << 26) in STEADY
+    assert flat.predict("allreduce", 1 << 16) not in STEADY
+    one_host = Selector(Layout(4, (4,)), candidates)  # no connections to keep warm: the raw minimum
+    for n in (1 << 16, 1 << 20, 1 << 22):
+        costs = {a: one_host.model.allreduce(a, n, one_host.layout) for a in ALLREDUCE}
+        assert one_host.predict("allreduce", n) == min(costs, key=costs.get)
 
 
 # ------------------------------------------------------------------------------------------ probe (MPI, one host)

@@ -26,6 +26,8 @@ from .. import topology
 from ..tuning_table import check_table
 
 TABLE_FORMAT = "mpcomm-tuning/1"
+STEADY = ("ring", "ring_pipelined")  # algorithms whose every rank talks to the same two peers all call long
+STEADY_MARGIN = 0.05  # across nodes, a ring this close to the cheapest prediction is preferred (Selector.predict)
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,11 @@ class CostModel:
     ``SEGMENT_BYTES`` segments, ``alpha_segment`` each (measured ~11 us here), and overlaps the reduction of
     one with the transfer of the next: per step ``chunk * max(beta, gamma)`` plus one segment's smaller term.
 
-    ``native_byte_scale`` multiplies the per-byte terms of ``native``: the MPI library's Allreduce is modelled as
-    rhd run in C, but MPICH's shared-memory path moved 20-35 % fewer bytes per second than mpcomm's ring/rhd
-    from 512 KiB to 8 MiB in four sweeps of ``bench/sweep.sh`` (p = 2; 3-4x fewer at 32-64 MiB), so without it
-    the model kept ``native`` past the measured crossover (between 128 and 512 KiB at p = 2, 512 KiB and 2 MiB
-    at p = 4 on 2 cores).
+    ``native_byte_scale`` multiplies the shared-memory per-byte terms of ``native`` (not its bytes on a network
+    link, which go at the link's rate): the MPI library's Allreduce is modelled as rhd run in C, but MPICH's
+    shared-memory path moved 20-35 % fewer bytes per second than mpcomm's ring/rhd from 512 KiB to 8 MiB in four
+    sweeps of ``bench/sweep.sh`` (p = 2; 3-4x fewer at 32-64 MiB), so without it the model kept ``native`` past
+    the measured crossover (between 128 and 512 KiB at p = 2, 512 KiB and 2 MiB at p = 4 on 2 cores).
 
     Defaults are rough guesses for a shared-memory node and a 100 Gb/s-class network, not measurements;
     ``with_network`` puts a measured network in (``Selector.default`` does so when the ranks span hosts).
@@ -213,21 +215,22 @@ class CostModel:
         return math.inf
 
     def native_allreduce(self, n: float, layout: Layout) -> float:
-        """The MPI library's all-reduce, run in C, its per-byte terms scaled by ``native_byte_scale``. On one node
-        MPICH's large-message algorithm is Rabenseifner's rhd; across nodes it is node-aware, like MPICH's SMP
-        path: reduce to the node's first rank, all-reduce among those, broadcast in the node (the node's link
-        carries what one rank sends, as for ``hierarchical``). The scale holds across nodes too: on 2 x 2 and
-        4 x 1 simulated nodes at 1 Gbit/s (ci/cluster.sh) native took 1.15-1.35x the best mpcomm algorithm
-        from 4 MiB up, with the same bytes on every NIC."""
-        def cost(nbytes: float) -> float:
-            if layout.num_nodes == 1:
-                return self.rhd(nbytes, layout, self.alpha_native)
-            node = Layout(layout.ranks_per_node, (layout.ranks_per_node,))
-            return self.tree(nbytes, node, self.alpha_native) + self._across(nbytes, layout.num_nodes, 1,
-                                                                             self.alpha_native)
+        """The MPI library's all-reduce, run in C, the per-byte terms of its shared-memory part scaled by
+        ``native_byte_scale``. On one node MPICH's large-message algorithm is Rabenseifner's rhd; across nodes it
+        is node-aware, like MPICH's SMP path: reduce to the node's first rank, all-reduce among those, broadcast
+        in the node (the node's link carries what one rank sends, as for ``hierarchical``). Bytes on the network
+        go at the link's rate whoever sends them: on 2 x 2 simulated nodes at 1 Gbit/s (ci/cluster.sh) native
+        took 1.00-1.01x hierarchical's time from 256 KiB to 4 MiB, the same bytes on each NIC, and the scale
+        made the model price it 1.4-1.6x."""
+        def scaled(cost, nbytes: float) -> float:
+            latency = cost(0.0)
+            return latency + self.native_byte_scale * (cost(nbytes) - latency)
 
-        latency = cost(0.0)
-        return latency + self.native_byte_scale * (cost(n) - latency)
+        if layout.num_nodes == 1:
+            return scaled(lambda m: self.rhd(m, layout, self.alpha_native), n)
+        node = Layout(layout.ranks_per_node, (layout.ranks_per_node,))
+        return (scaled(lambda m: self.tree(m, node, self.alpha_native), n)
+                + self._across(n, layout.num_nodes, 1, self.alpha_native))
 
     def collective(self, operation: str, algorithm: str, nbytes: int, layout: Layout) -> float:
         if operation == "allreduce":
@@ -315,11 +318,21 @@ class Selector:
         return name
 
     def predict(self, operation: str, nbytes: int, candidates=None) -> str:
-        """The cost model's choice."""
+        """The cost model's choice. Across nodes a ring predicted within ``STEADY_MARGIN`` of the cheapest is
+        taken instead: each rank keeps the same two TCP connections busy for the whole call, where schemes that
+        change partner every round (rhd, MPICH's native, a tree) start rounds on connections that idled, whose
+        window TCP shrinks after an idle spell. Their fastest calls match the ring's, their typical ones do not
+        (4 simulated nodes at 1 Gbit/s, bench/results/cluster.md: medians 1.04-1.26x their minimum from 4 MiB
+        up, the ring's 1.01-1.04x), and the model cannot tell such near-ties apart anyway."""
         names = candidates or self.candidates[operation]
         model = self.model.for_layout(self.layout)
         costs = {a: model.collective(operation, a, nbytes, self.layout) for a in names}
-        return min(costs, key=costs.get)
+        best = min(costs, key=costs.get)
+        if self.layout.num_nodes > 1:
+            steady = [a for a in STEADY if costs.get(a, math.inf) <= costs[best] * (1 + STEADY_MARGIN)]
+            if steady:
+                return min(steady, key=costs.get)
+        return best
 
     # -------------------------------------------------------------- calibration table
     def load(self, table: dict, source: str = "tuning table") -> bool:
