@@ -322,8 +322,8 @@ class Selector:
         taken instead: each rank keeps the same two TCP connections busy for the whole call, where schemes that
         change partner every round (rhd, MPICH's native, a tree) start rounds on connections that idled, whose
         window TCP shrinks after an idle spell. Their fastest calls match the ring's, their typical ones do not
-        (4 simulated nodes at 1 Gbit/s, bench/results/cluster.md: medians 1.04-1.26x their minimum from 4 MiB
-        up, the ring's 1.01-1.04x), and the model cannot tell such near-ties apart anyway."""
+        (4 simulated nodes at 1 Gbit/s, bench/results/cluster.md: medians 1.07-1.27x their fastest at 4 and
+        16 MiB, the rings' 1.01-1.06x, two runs), and the model cannot tell such near-ties apart anyway."""
         names = candidates or self.candidates[operation]
         model = self.model.for_layout(self.layout)
         costs = {a: model.collective(operation, a, nbytes, self.layout) for a in names}
