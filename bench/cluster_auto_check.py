@@ -1,6 +1,7 @@
 """Is auto's choice right on this cluster? Every all-reduce algorithm timed call by call, interleaved, many times.
 
     ci/cluster.sh 2 2 1gbit -- mpiexec -n 4 python bench/cluster_auto_check.py --reps 30 --out check_2x2.md
+    mpiexec -n 4 python bench/cluster_auto_check.py --sizes 8,2048,32K,2M,64M    # one host works too
 
 mpcomm-bench times blocks of calls per algorithm; on a machine other jobs are loading, one slow block moves a
 whole row, and "auto" timed separately from the algorithm it runs adds a second sample of the same noise. Here
@@ -35,7 +36,8 @@ def main() -> None:
     args = parser.parse_args()
     comm = Communicator(MPI.COMM_WORLD)
     algorithms = list(ALLREDUCE)
-    lines = [f"{comm.size} ranks on {comm.num_nodes} nodes of {comm.node_size}; {comm.selector.network}; "
+    lines = [f"{comm.size} ranks on {comm.num_nodes} nodes of {comm.node_size}; "
+             f"{comm.selector.network or 'one host: no network measured'}; "
              f"{args.reps} interleaved calls per algorithm and size, time of the slowest rank, in ms "
              "(min / median)", "",
              "| size | " + " | ".join(algorithms) + " | auto chose | best (min) | chosen / best, min | "
@@ -57,7 +59,8 @@ def main() -> None:
         mid = {a: float(np.median(t)) for a, t in slowest.items()}
         chosen = comm.selector.choose("allreduce", nbytes, np.dtype(np.float32))
         best_low, best_mid = min(low, key=low.get), min(mid, key=mid.get)
-        size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+        size = (f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB" if nbytes >= 1 << 10
+                else f"{nbytes} B")
         lines.append(f"| {size} | " + " | ".join(f"{low[a]:.2f} / {mid[a]:.2f}" for a in algorithms) +
                      f" | {chosen} | {best_low} | {low[chosen] / low[best_low]:.2f} | {best_mid} | "
                      f"{mid[chosen] / mid[best_mid]:.2f} |")
