@@ -21,6 +21,7 @@ from mpi4py import MPI
 
 from mpcomm import Communicator
 from mpcomm.algorithms import ALLREDUCE
+from mpcomm.bench.report import human_bytes
 
 
 def sizes(text: str) -> list[int]:
@@ -59,9 +60,7 @@ def main() -> None:
         mid = {a: float(np.median(t)) for a, t in slowest.items()}
         chosen = comm.selector.choose("allreduce", nbytes, np.dtype(np.float32))
         best_low, best_mid = min(low, key=low.get), min(mid, key=mid.get)
-        size = (f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB" if nbytes >= 1 << 10
-                else f"{nbytes} B")
-        lines.append(f"| {size} | " + " | ".join(f"{low[a]:.2f} / {mid[a]:.2f}" for a in algorithms) +
+        lines.append(f"| {human_bytes(nbytes)} | " + " | ".join(f"{low[a]:.2f} / {mid[a]:.2f}" for a in algorithms) +
                      f" | {chosen} | {best_low} | {low[chosen] / low[best_low]:.2f} | {best_mid} | "
                      f"{mid[chosen] / mid[best_mid]:.2f} |")
         if comm.rank == 0:

@@ -15,11 +15,9 @@ import json
 import sys
 from pathlib import Path
 
+from mpcomm.bench.report import human_bytes
+
 ORDER = ("ring", "ring_pipelined", "tree", "rhd", "hierarchical", "native")
-
-
-def _human(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def report(path: str) -> str:
@@ -51,7 +49,7 @@ def report(path: str) -> str:
         link_ratio = bound / fixed[best]
         if size >= 16 << 20:
             worst_link = min(worst_link, link_ratio)
-        lines.append(f"| {_human(size)} | {cells} | {auto_cell} | {best} | {ratio_cell} | {bound:.2f} | {link_ratio:.2f} |")
+        lines.append(f"| {human_bytes(size)} | {cells} | {auto_cell} | {best} | {ratio_cell} | {bound:.2f} | {link_ratio:.2f} |")
     lines += ["", f"worst auto / best: **{worst_auto:.2f}**; lowest link bound / best from 16 MiB: "
               f"**{worst_link:.2f}**", ""]
     return "\n".join(lines)
