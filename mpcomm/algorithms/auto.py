@@ -210,8 +210,7 @@ class CostModel:
         if algorithm == "rhd":
             return self.rhd(n, layout, self.alpha_py) / 2
         if algorithm == "native":
-            latency = self.rhd(0.0, layout, self.alpha_native)
-            return (latency + self.native_byte_scale * (self.rhd(n, layout, self.alpha_native) - latency)) / 2
+            return self._native_scaled(lambda m: self.rhd(m, layout, self.alpha_native), n) / 2
         return math.inf
 
     def native_allreduce(self, n: float, layout: Layout) -> float:
@@ -222,15 +221,17 @@ class CostModel:
         go at the link's rate whoever sends them: on 2 x 2 simulated nodes at 1 Gbit/s (ci/cluster.sh) native
         took 1.00-1.01x hierarchical's time from 256 KiB to 4 MiB, the same bytes on each NIC, and the scale
         made the model price it 1.4-1.6x."""
-        def scaled(cost, nbytes: float) -> float:
-            latency = cost(0.0)
-            return latency + self.native_byte_scale * (cost(nbytes) - latency)
-
         if layout.num_nodes == 1:
-            return scaled(lambda m: self.rhd(m, layout, self.alpha_native), n)
+            return self._native_scaled(lambda m: self.rhd(m, layout, self.alpha_native), n)
         node = Layout(layout.ranks_per_node, (layout.ranks_per_node,))
-        return (scaled(lambda m: self.tree(m, node, self.alpha_native), n)
+        return (self._native_scaled(lambda m: self.tree(m, node, self.alpha_native), n)
                 + self._across(n, layout.num_nodes, 1, self.alpha_native))
+
+    def _native_scaled(self, cost, n: float) -> float:
+        """``cost(n)`` (seconds of a scheme run by the MPI library) with its per-byte part, ``cost(n) - cost(0)``,
+        scaled by ``native_byte_scale``."""
+        latency = cost(0.0)
+        return latency + self.native_byte_scale * (cost(n) - latency)
 
     def collective(self, operation: str, algorithm: str, nbytes: int, layout: Layout) -> float:
         if operation == "allreduce":
