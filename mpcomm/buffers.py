@@ -178,15 +178,6 @@ def flat(array):
     return None
 
 
-def byte_view(array):
-    """The bytes of a contiguous 1-D array, the form every message takes on the wire (any dtype, bfloat16
-    included, which numpy cannot export through the buffer protocol as itself)."""
-    return array.view(_BYTE)
-
-
-_BYTE = np.dtype(np.uint8)  # (a dtype object: view() converts np.uint8 to one on every call)
-
-
 class NoBuffer:
     """``with`` stand-in for :class:`WorkArray` where a rank has no buffer (the non-roots of a rooted collective)."""
 

@@ -97,11 +97,11 @@ def for_arrays(t, operation: str, *arrays):
     return cache[aware]
 
 
-def for_buffers(t, operation: str, *objects):
-    """:func:`for_arrays` on user objects (anything :func:`mpcomm.buffers.as_array` accepts)."""
-    if all(type(o) is np.ndarray for o in objects):  # the common case, on every message: plain host arrays
+def for_buffers(t, operation: str, buf):
+    """:func:`for_arrays` on one user object (anything :func:`mpcomm.buffers.as_array` accepts)."""
+    if type(buf) is np.ndarray:  # the common case, on every message: a plain host array
         return t
-    return for_arrays(t, operation, *(as_array(o, operation) for o in objects))
+    return for_arrays(t, operation, as_array(buf, operation))
 
 
 def algorithm(t, operation: str, name: str):

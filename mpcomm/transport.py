@@ -17,7 +17,6 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import byte_view
 from .errors import CommTimeoutError, MpcommError
 
 # Spins of Testall before each poll also yields the core: ranks are often oversubscribed on small machines.
@@ -34,6 +33,7 @@ _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS = 8, 2
 # computes meanwhile, and a spinning background thread would take its core (and the GIL) for as long as the
 # wire is busy. Waking late by a few percent of a wait that long is what it costs.
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
+_BYTES = MPI.BYTE
 
 
 class Transport:
@@ -240,8 +240,11 @@ class Transport:
             self.mpi.Free()
 
     # ------------------------------------------------------------------ internals
-    def _wire(self, buf):
-        return byte_view(buf)
+    def _wire(self, buf) -> list:
+        """The message of ``buf``'s bytes, the form every message takes on the wire (any dtype; mpi4py reads
+        bfloat16 through DLPack). A list, not a ``uint8`` view: the view cost 0.9 us of a 3 us 8-byte send and
+        receive warm, and 10 us of a 17 us ``Isend`` right after a stage's matmuls."""
+        return [buf, _BYTES]
 
     def _poll(self, test, requests, peers, timeout: float, operation=None) -> None:
         """Call ``test()`` until it is true (``requests`` done) or ``timeout`` seconds pass (then cancel them)."""

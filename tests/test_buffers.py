@@ -17,7 +17,6 @@ from mpcomm.buffers import (
     as_array,
     as_input,
     as_output,
-    byte_view,
     check_dtype_op,
     flat,
     reduce_op,
@@ -209,14 +208,12 @@ def test_readonly_numpy_output_rejected():
 
 
 # ------------------------------------------------------------------------------------------ layouts
-def test_flat_and_byte_view():
+def test_flat():
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
     f = flat(a)
     assert f.shape == (12,) and np.shares_memory(f, a)
     assert flat(a[:, ::2]) is None and flat(a.T) is None and flat(a[::-1]) is None
     assert flat(np.ones(())).shape == (1,)
-    b = byte_view(f)
-    assert b.dtype == np.uint8 and b.size == 48 and np.shares_memory(b, a)
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,8 @@ def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_
     size = sendbuf.itemsize
 
     def spec(buf, counts, displs):
-        return [t._wire(buf), ([c * size for c in counts], [d * size for d in displs]), MPI.BYTE]
+        buf, datatype = t._wire(buf)
+        return [buf, ([c * size for c in counts], [d * size for d in displs]), datatype]
 
     t.wait_one(t.mpi.Ialltoallv(spec(sendbuf, send_counts, send_displs), spec(recvbuf, recv_counts, recv_displs)))
 
