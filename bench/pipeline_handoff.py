@@ -104,6 +104,8 @@ def main(argv=None) -> int:
         q1, median, q3 = np.percentile(us, [25, 50, 75])
         print(f"pp = 2, 1f1b, {args.micro_batches} micro-batches of {args.mb_rows} x {d_model} float64 "
               f"({args.mb_rows * d_model * 8 / 1024:.0f} KiB per message), width {args.width}, {args.steps} steps")
+        print(f"each send tested after it for at most {pipe.spin_after_send * 1e3:g} ms (measured at the first step; "
+              "0: MPI moves a hand-off while the sender computes)")
         print(f"hand-offs the receiver waited for: {us.size}; median {median:.1f} us "
               f"(quartiles {q1:.1f} - {q3:.1f} us, min {us.min():.1f} us)")
         for name, values in floor.items():

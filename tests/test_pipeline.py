@@ -4,11 +4,15 @@ Serial:  python -m pytest -q tests/test_pipeline.py
 MPI:     timeout 600 mpiexec -n 4 python -m pytest -q --with-mpi -m mpi tests/test_pipeline.py   (any size 1..4)
 The MPI tests use pp = world size.
 """
+import json
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-from conftest import assert_matches_single_process
+from conftest import assert_matches_single_process, mpiexec_path, serial_only
 
 from mpcomm.errors import ConfigError
 from mpcomm.nn import make_optimizer, mlp, mse_loss
@@ -80,6 +84,9 @@ def test_bad_configurations_raise_config_error_naming_the_constraint():
         PipelineParallel(wl.model(), one, 4, schedule="zigzag")
     with pytest.raises(ConfigError, match="num_micro_batches must be a positive integer"):
         PipelineParallel(wl.model(), one, 0)
+    for bad in (-1e-3, "fast", True, None, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="spin_after_send must be 'auto' or a number of seconds >= 0"):
+            PipelineParallel(wl.model(), one, 4, spin_after_send=bad)
     pipe = PipelineParallel(wl.model(), one, 3)
     x, y = wl.batch(0)
     with pytest.raises(ConfigError, match="batch size % num_micro_batches == 0"):
@@ -92,6 +99,7 @@ def test_single_rank_micro_batches_and_local_virtual_stages_match_reference(sche
     pipe = PipelineParallel(wl.model(), self_comm(), m, schedule=schedule, virtual_stages=v)
     losses = train_pipeline(pipe, wl, 2)
     assert_matches_single_process(pipe, losses, wl)
+    assert pipe.spin_after_send == 0.0  # one rank: no hand-offs, nothing measured
 
 
 # ------------------------------------------------------------------------------------------ MPI
@@ -131,6 +139,58 @@ def test_adam_and_small_receive_window_match_reference():
     pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b", max_posted_recvs=1)
     losses = train_pipeline(pipe, wl, 3, "adam", 0.01)
     assert_matches_single_process(pipe, losses, wl, "adam", 0.01)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("schedule,v", SCHEDULES)
+def test_testing_each_send_after_it_changes_nothing_but_time(schedule, v):
+    """spin_after_send (test each send for a while after it, for MPI libraries that move a message only while its
+    sender calls them) trains exactly as not testing does, and as the setting measured at the first step ('auto'),
+    which every rank agrees on."""
+    comm = world()
+    wl, m = workload_for(comm.size, v)
+    runs = {}
+    for setting in (0, 1e-3, "auto"):
+        pipe = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v, spin_after_send=setting)
+        runs[setting] = (train_pipeline(pipe, wl, 2), pipe)
+    assert runs[0][0] == runs[1e-3][0] == runs["auto"][0]
+    for (n, p), (_, q) in zip(runs[0][1].named_parameters(), runs["auto"][1].named_parameters()):
+        assert np.array_equal(p.data, q.data), n
+    losses, pipe = runs["auto"]
+    assert pipe.spin_after_send >= 0 and comm.mpi.allgather(pipe.spin_after_send) == [pipe.spin_after_send] * comm.size
+    assert_matches_single_process(pipe, losses, wl)
+
+
+_STALLING_HANDOFF = """
+import json
+import numpy as np
+from mpcomm import Communicator
+from mpcomm.nn import mlp
+from mpcomm.parallel.pipeline import PipelineParallel
+comm = Communicator()
+pipe = PipelineParallel(mlp([256, 256, 256], activation=None, seed=0), comm, 2)
+x = np.ones((2 * 64, 256))  # 64 x 256 float64 per micro-batch: 128 KiB hand-offs
+loss = pipe.train_step(x, x)
+results = comm.mpi.gather((loss, pipe.spin_after_send))
+if comm.rank == 0:
+    print(json.dumps(results))
+"""
+
+
+@serial_only
+def test_a_library_that_moves_hand_offs_only_with_the_senders_calls_is_measured_as_such():
+    """MPICH without CMA (as where yama's ptrace_scope is not 0) moves a 128 KiB message only while its sender
+    calls MPI; the first step finds that, and every rank then tests each send for 2-10 ms after it."""
+    from mpi4py import MPI
+
+    if not MPI.Get_library_version().startswith("MPICH"):
+        pytest.skip("MPIR_CVAR_CH4_CMA_ENABLE is MPICH's")
+    env = dict(os.environ, MPIR_CVAR_CH4_CMA_ENABLE="0", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-c", _STALLING_HANDOFF], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (loss, spin), other = json.loads(proc.stdout.splitlines()[-1])  # (loss, spin_after_send) of ranks 0, 1
+    assert other == [loss, spin] and 2e-3 <= spin <= 10e-3, proc.stdout
 
 
 @pytest.mark.mpi

@@ -34,6 +34,13 @@ size other than the expected one raises on the receiver (never a partial buffer)
 the receives it left posted.  Later steps must keep the same micro-batch shape (a change raises on stage 0);
 call :meth:`PipelineParallel.reset_shapes` to re-infer.
 
+A send is started and left to MPI, which on most configurations moves it while this rank computes on. Some move
+a message only while its sender calls MPI (MPICH's shared memory without CMA, i.e. where yama's ``ptrace_scope`` is
+not 0, as on Ubuntu): there the waiting receiver would wait for the sender's whole next compute. The first step
+measures which is the case (:mod:`mpcomm.parallel.send_progress`); where it is, each send is tested until it
+completes, for at most ``spin_after_send`` seconds (2-10 ms; pass a number to set it, 0 never to test), and
+``self.spin_after_send`` says what was decided.
+
 Timing per step (``self.last_timing``; running sums in ``self.timing``): ``compute`` (F/B and loss, including any
 tensor-parallel collectives inside the chunks), ``comm_wait`` (blocked in receive waits and the final send
 drain), ``bubble`` = ``total - compute`` (idle), ``total`` (the whole step including the loss broadcast), and
@@ -62,6 +69,7 @@ from mpcomm.transport import cancel
 
 from .schedules import (B, F, RECV_F, SCHEDULES, message_tag, schedule as make_schedule,
                         with_communication)
+from .send_progress import measure_spin_after_send
 from .tensor import gather_full_state
 
 __all__ = ["PipelineParallel", "partition_layers"]
@@ -168,7 +176,8 @@ class PipelineParallel:
 
     def __init__(self, module: Sequential, mesh, num_micro_batches: int, schedule: str = "1f1b",
                  virtual_stages: int = 1, balance: Any = "layers", recompute: bool = False,
-                 loss_fn: Callable = mse_loss, max_posted_recvs: int | None = 4, tag_base: int = 0):
+                 loss_fn: Callable = mse_loss, max_posted_recvs: int | None = 4, tag_base: int = 0,
+                 spin_after_send: float | str = "auto"):
         self.comm = _pp_comm(mesh)
         self.pp, self.rank = self.comm.size, self.comm.rank
         if schedule not in SCHEDULES:
@@ -192,6 +201,12 @@ class PipelineParallel:
         self.recompute, self.loss_fn = bool(recompute), loss_fn
         self.max_posted_recvs = max_posted_recvs
         self.tag_base = tag_base
+        if spin_after_send != "auto" and (isinstance(spin_after_send, (bool, str)) or not isinstance(
+                spin_after_send, (int, float)) or not 0 <= spin_after_send < float("inf")):
+            raise ConfigError(f"spin_after_send must be 'auto' or a number of seconds >= 0, got {spin_after_send!r}")
+        self._spin_setting = spin_after_send
+        # seconds each send is tested after it (see mpcomm.parallel.send_progress); "auto": measured at the first step
+        self.spin_after_send: float | None = None if spin_after_send == "auto" else float(spin_after_send)
         ub = _tag_upper_bound(self.comm)
         top = tag_base + 2 * self.num_stages * num_micro_batches + 2 + self.num_stages  # data + shape tags
         if ub is not None and top > ub:
@@ -264,6 +279,8 @@ class PipelineParallel:
     # ---------------------------------------------------------------- shapes
     def reset_shapes(self) -> None:
         self._shapes, self._in_key, self._recvs = None, None, None
+        if self._spin_setting == "auto":
+            self.spin_after_send = None  # measured again, for the new message sizes
 
     def _receive_plan(self) -> list[tuple[tuple, Any, int, int, tuple[str, int, int], str]]:
         """``(shape, dtype, peer, tag, inbox key, label)`` of this rank's receive actions in order (once per
@@ -315,6 +332,12 @@ class PipelineParallel:
             w.wait()
         self._shapes = shapes
 
+    def _largest_message(self) -> int:
+        """Bytes of the largest activation or gradient a local stage receives or sends."""
+        return max(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                   for in_shape, in_dtype, out_shape, out_dtype in self._shapes.values()
+                   for shape, dtype in ((in_shape, in_dtype), (out_shape, out_dtype)))
+
     def _meta_tag(self, stage: int) -> int:
         return self.tag_base + 2 * self.num_stages * self.num_micro_batches + 2 + stage
 
@@ -354,7 +377,10 @@ class PipelineParallel:
             self._in_key = key
             if pp > 1 and self._wire is None:
                 self._wire = self.comm._protocol_transport("pipeline")
-        wire = self._wire
+        if self.spin_after_send is None:
+            self.spin_after_send = 0.0 if pp == 1 else measure_spin_after_send(
+                self.comm, self._wire, self._largest_message(), self.tag_base + 2 * S * m)
+        wire, spin = self._wire, self.spin_after_send
         xp = _xp_of(self.chunks[self.stages[0]])
         recvs = self._receive_plan()
         trace = self.trace
@@ -409,7 +435,10 @@ class PipelineParallel:
                     t0 = time.perf_counter()
                     data = xp.ascontiguousarray(outbox.pop(key))
                     t = for_buffers(wire, "send", data)
-                    sends.append((t.isend(data, peer, tag), t, data, peer))
+                    request = t.isend(data, peer, tag)
+                    if spin:
+                        _test_for(request, spin)
+                    sends.append((request, t, data, peer))
                     if trace is not None:
                         trace.append((label, t0, time.perf_counter()))
                     continue
@@ -512,6 +541,14 @@ def _done(request) -> bool:
         return request.Get_status()
     except MPI.Exception:
         return True
+
+
+def _test_for(request, seconds: float) -> None:
+    """Drive MPI for ``request`` (a send just started) until it completes or ``seconds`` pass: for MPI libraries
+    that move a message only while its sender calls them (see :mod:`mpcomm.parallel.send_progress`)."""
+    until = time.perf_counter() + seconds
+    while not _done(request) and time.perf_counter() < until:
+        pass
 
 
 def _unfinished(sends: list) -> list:
