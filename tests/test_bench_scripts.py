@@ -5,6 +5,7 @@ Serial pytest pass only: they launch mpiexec themselves.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,6 +31,27 @@ def test_pipeline_bubble_quick():
     assert [line.split()[2] for line in lines] == ["gpipe", "1f1b", "interleaved-1f1b"], out
     assert ["theory 0.333" in lines[0], "theory 0.333" in lines[1], "theory 0.200" in lines[2]] == [True] * 3, out
     assert all("measured" in line for line in lines), out
+
+
+def test_pipeline_bubble_regenerates_its_tables_and_keeps_the_notes_below_them(tmp_path, monkeypatch):
+    """``--record`` regenerates pipeline_bubble.md's tables from the JSONs; the hand-written notes under its marker
+    stay (a re-run used to overwrite them)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import pipeline_bubble
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(pipeline_bubble, "RESULTS", str(tmp_path))
+    case = {"pp": 2, "schedule": "1f1b", "v": 1, "m": 8, "layers": 4, "d_model": 192, "d_hidden": 768,
+            "theory": 0.111, "simulated": 0.111, "measured": 0.125, "t_f_ms": 4.1, "t_b_ms": 5.2, "step_s": 0.087}
+    meta = {"pp": 2, "cores": 2, "platform": "test"}
+    (tmp_path / "pipeline_bubble_pp2.json").write_text(json.dumps({"meta": meta, "cases": [case]}))
+    notes = pipeline_bubble.NOTES + "\n\n## A note by hand\n\nkept\n"
+    (tmp_path / "pipeline_bubble.md").write_text("# old tables\n\n| stale |\n\n" + notes)
+    text = pipeline_bubble.write_markdown()
+    assert text == (tmp_path / "pipeline_bubble.md").read_text()
+    assert "stale" not in text and "| 192x768 | 1f1b | 1 | 8 | 4 | 0.111 | 0.111 | 0.125 | 1.13 |" in text
+    assert text.endswith("\n" + notes)
 
 
 def test_ddp_overlap_tiny(tmp_path):
