@@ -275,6 +275,15 @@ class Transport:
                                        self.on_timeout)
 
 
+def completed(request: MPI.Request) -> bool:
+    """Whether ``request`` has completed, without completing it (a later wait still does); one that failed has
+    (its transport's wait raises mpcomm's error)."""
+    try:
+        return request.Get_status()
+    except MPI.Exception:
+        return True
+
+
 def cancel(request: MPI.Request) -> None:
     """Cancel ``request`` if it is still active; one MPI cannot cancel (a collective's) is left as it is."""
     if request != MPI.REQUEST_NULL:

@@ -65,11 +65,11 @@ from mpcomm.errors import ConfigError
 from mpcomm.nn import Sequential, mse_loss
 from mpcomm.nn.backend import array_module
 from mpcomm.staging import for_buffers
-from mpcomm.transport import cancel
+from mpcomm.transport import cancel, completed
 
 from .schedules import (B, F, RECV_F, SCHEDULES, message_tag, schedule as make_schedule,
                         with_communication)
-from .send_progress import measure_spin_after_send
+from .send_progress import measure_spin_after_send, test_until
 from .tensor import gather_full_state
 
 __all__ = ["PipelineParallel", "partition_layers"]
@@ -201,7 +201,7 @@ class PipelineParallel:
         self.recompute, self.loss_fn = bool(recompute), loss_fn
         self.max_posted_recvs = max_posted_recvs
         self.tag_base = tag_base
-        if spin_after_send != "auto" and (isinstance(spin_after_send, (bool, str)) or not isinstance(
+        if spin_after_send != "auto" and (isinstance(spin_after_send, bool) or not isinstance(
                 spin_after_send, (int, float)) or not 0 <= spin_after_send < float("inf")):
             raise ConfigError(f"spin_after_send must be 'auto' or a number of seconds >= 0, got {spin_after_send!r}")
         self._spin_setting = spin_after_send
@@ -419,10 +419,10 @@ class PipelineParallel:
                         post(1)
                     request, t, buf, peer, key, error_label = posted.popleft()
                     t0 = time.perf_counter()
-                    if not _done(request):
+                    if not completed(request):
                         post(limit - len(posted))
                         sends = _unfinished(sends)
-                        while pending_grads and not _done(request):
+                        while pending_grads and not completed(request):
                             _materialize_grad(pending_grads.pop())
                     t.wait([request], (peer,), (buf.nbytes,), operation=error_label)
                     t1 = time.perf_counter()
@@ -436,8 +436,8 @@ class PipelineParallel:
                     data = xp.ascontiguousarray(outbox.pop(key))
                     t = for_buffers(wire, "send", data)
                     request = t.isend(data, peer, tag)
-                    if spin:
-                        _test_for(request, spin)
+                    if spin:  # MPI moves the message only while this rank calls it (see send_progress)
+                        test_until(request, time.perf_counter() + spin)
                     sends.append((request, t, data, peer))
                     if trace is not None:
                         trace.append((label, t0, time.perf_counter()))
@@ -535,29 +535,13 @@ def _instruction(a, num_micro_batches: int, tag_base: int) -> tuple:
     return (F if a.kind == F else B, a.stage, a.microbatch, None, None, None, label)
 
 
-def _done(request) -> bool:
-    """Whether ``request`` has completed; one that failed has (its transport's wait raises mpcomm's error)."""
-    try:
-        return request.Get_status()
-    except MPI.Exception:
-        return True
-
-
-def _test_for(request, seconds: float) -> None:
-    """Drive MPI for ``request`` (a send just started) until it completes or ``seconds`` pass: for MPI libraries
-    that move a message only while its sender calls them (see :mod:`mpcomm.parallel.send_progress`)."""
-    until = time.perf_counter() + seconds
-    while not _done(request) and time.perf_counter() < until:
-        pass
-
-
 def _unfinished(sends: list) -> list:
     """The sends still in flight; a finished one is completed through its transport (which releases a staged
     device copy)."""
     out = []
     for send in sends:
         request, t, _, peer = send
-        if _done(request):
+        if completed(request):
             t.wait([request], (peer,), operation="pipeline send")
         else:
             out.append(send)

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from mpcomm.transport import Transport
+from mpcomm.transport import Transport, completed
 
 # The receiver's window for the message to arrive while the sender makes no MPI call: this long at least, and
 # _WINDOW_TRANSFERS transfers (as measured with the sender testing) so that a slow link is not mistaken for a stall.
@@ -54,6 +54,16 @@ def measure_spin_after_send(comm, wire: Transport, nbytes: int, tag: int) -> flo
     return float(agreed[0])
 
 
+def test_until(request, deadline: float) -> bool:
+    """Drive MPI for ``request`` until it completes (True) or ``time.perf_counter()`` passes ``deadline`` (False),
+    leaving it for a later wait: how a sender keeps its message moving where MPI needs its calls for that, and how
+    the probe's receiver watches for one."""
+    while not completed(request):
+        if time.perf_counter() >= deadline:
+            return False
+    return True
+
+
 def _send_probes(wire: Transport, probe: np.ndarray, peer: int, tag: int) -> None:
     """The sending side: each time the receiver says it waits, send ``probe``; ``_TIMED`` times test it to
     completion, then make no MPI call for twice the window the receiver names."""
@@ -81,8 +91,6 @@ def _receive_probes(wire: Transport, probe: np.ndarray, peer: int, tag: int) -> 
     request = wire.irecv(probe, peer, tag)
     deadline = time.perf_counter() + window[0]
     wire.send(window, peer, tag)
-    arrived = request.Get_status()
-    while not arrived and time.perf_counter() < deadline:
-        arrived = request.Get_status()
+    arrived = test_until(request, deadline)
     wire.wait([request], (peer,), (probe.nbytes,), operation=_OPERATION)
     return 0.0 if arrived else min(_MAX_SPIN, max(_MIN_SPIN, _SPIN_TRANSFERS * transfer))
