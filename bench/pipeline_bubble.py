@@ -10,8 +10,11 @@ compute (F + B time), blocked-in-receive time and total.  The measured bubble of
 ``1 - sum_r compute_r / (P * max_r total_r)`` (the idle share of the P x makespan rectangle, as
 ``schedules.Timeline.bubble_fraction`` defines it); the median over the timed steps is reported (every step's value
 is in the JSON), since a shared VM's hiccups land on single steps; it is compared with
-``bubble_fraction_theory(P, m, v) = (P-1)/(v*m+P-1)`` and with ``simulate_timeline`` fed the measured mean F and B
-times of one chunk (the theory assumes equal F and B; the simulation uses the real ratio, zero latency).
+``bubble_fraction_theory(P, m, v) = (P-1)/(v*m+P-1)`` and with the step replayed: ``simulate_timeline`` of the
+same schedule fed every action's measured duration (the executor's trace) and free messages. The theory assumes
+equal, steady stages; the replay has this run's compute as it was (the last stage's loss, a vCPU the host gives
+less time to), so measured / replayed is what the hand-offs and the executor cost, and replayed / theory what the
+compute's imbalance does.
 
 glibc returns freed memory to the OS (heap trim, mmap for blocks over 128 KiB by default); every step then
 page-faults its activations back in, more on some ranks than others, which shows as imbalance. Like the
@@ -21,8 +24,9 @@ process (``mallopt`` M_TRIM_THRESHOLD / M_MMAP_THRESHOLD, glibc only); ``--mallo
 With ``--record`` a run writes ``bench/results/pipeline_bubble_pp{P}.json`` and regenerates the tables of
 ``bench/results/pipeline_bubble.md`` from every JSON present, keeping the notes written below them; without it (as
 for a partial run: ``--widths``, ``--micro-batches``) it only prints.  ``--spin-after-send`` is passed to
-PipelineParallel (``auto``, or seconds: 0 never tests a send after it).  Honest caveat: with more ranks than cores (4 ranks on a 2-core machine) ranks share
-cores, so an "idle" rank is partly just descheduled and compute times stretch — the numbers then say little.
+PipelineParallel (``auto``, or seconds: 0 never tests a send after it), ``--shared-memory on|off`` too.  Honest
+caveat: with more ranks than cores (4 ranks on a 2-core machine) ranks share cores, so an "idle" rank is partly
+just descheduled and compute times stretch — the numbers then say little.
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ from glibc_malloc import keep_freed_memory  # bench/glibc_malloc.py
 from mpcomm import Communicator
 from mpcomm.nn import SGD, transformer_mlp_stack
 from mpcomm.parallel.pipeline import PipelineParallel
-from mpcomm.parallel.schedules import bubble_fraction_theory, schedule as make_schedule, simulate_timeline
+from mpcomm.parallel.schedules import bubble_fraction_theory, schedule as make_schedule
+from traced_pipeline import replay, spans_of  # bench/traced_pipeline.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -51,15 +56,18 @@ def run_case(comm, schedule: str, v: int, m: int, d_model: int, d_hidden: int, a
     layers = pp * v * args.layers_per_chunk
     model = transformer_mlp_stack(layers, d_model, d_hidden, seed=0)
     spin = args.spin_after_send if args.spin_after_send == "auto" else float(args.spin_after_send)
-    pipe = PipelineParallel(model, comm, m, schedule=schedule, virtual_stages=v, spin_after_send=spin)
+    pipe = PipelineParallel(model, comm, m, schedule=schedule, virtual_stages=v, spin_after_send=spin,
+                            shared_memory=args.shared_memory == "on")
     opt = SGD(pipe.parameters(), lr=1e-4)
     rng = np.random.default_rng(0)
     rows = m * args.mb_rows
     x = rng.standard_normal((rows, d_model))
     y = rng.standard_normal((rows, d_model))
-    per_step = []
+    lists = make_schedule(schedule, pp, m, v)
+    per_step, replayed_per_step = [], []
     for step in range(args.warmup + args.steps):
         comm.barrier()
+        pipe.trace = []
         pipe.train_step(x, y)
         opt.step()
         opt.zero_grad()
@@ -69,16 +77,17 @@ def run_case(comm, schedule: str, v: int, m: int, d_model: int, d_hidden: int, a
             table = np.empty((pp, 5))
             comm.all_gather(row, table)
             per_step.append(table)
+            replayed_per_step.append(replay(lists, spans_of(comm.mpi.allgather(pipe.trace)), False).bubble_fraction)
     steps = np.stack(per_step)  # (steps, pp, 5)
     per_step_bubble = [1 - s[:, 0].sum() / (pp * s[:, 2].max()) for s in steps]
     measured = float(np.median(per_step_bubble))
     t_f = float(steps[:, :, 3].sum() / (steps.shape[0] * pp * v * m))  # mean time of one chunk forward
     t_b = float(steps[:, :, 4].sum() / (steps.shape[0] * pp * v * m))
-    sim = simulate_timeline(make_schedule(schedule, pp, m, v), t_f=t_f, t_b=t_b).bubble_fraction
     return {"pp": pp, "schedule": schedule, "v": v, "m": m, "layers": layers, "d_model": d_model,
             "d_hidden": d_hidden, "mb_rows": args.mb_rows, "steps": args.steps,
-            "theory": bubble_fraction_theory(pp, m, v), "simulated": sim, "measured": measured,
-            "measured_per_step": [float(b) for b in per_step_bubble],
+            "theory": bubble_fraction_theory(pp, m, v), "replayed": float(np.median(replayed_per_step)),
+            "measured": measured, "measured_per_step": [float(b) for b in per_step_bubble],
+            "replayed_per_step": [float(b) for b in replayed_per_step],
             "t_f_ms": 1e3 * t_f, "t_b_ms": 1e3 * t_b,
             "step_s": float(steps[:, :, 2].max(axis=1).mean()),
             "compute_s_per_rank": [float(c) for c in steps[:, :, 0].mean(axis=0)],
@@ -105,25 +114,32 @@ def write_markdown() -> str:
              "bench/pipeline_bubble.py --record` (P = 2, 4).", "",
              "Generated by `bench/pipeline_bubble.py` (see its docstring for the method). Bubble = idle share of the",
              "P x makespan rectangle, `1 - sum_r compute_r / (P * max_r step_time_r)`, median over the timed steps.",
-             "`theory` = (P-1)/(v*m+P-1) (equal F and B); `simulated` = `simulate_timeline` of the same action lists",
-             "with the measured mean chunk F and B times (real B/F ratio, zero latency); `measured` = from the run.",
+             "`theory` = (P-1)/(v*m+P-1) (equal, steady stages); `replayed` = each step replayed in",
+             "`simulate_timeline` with every action's measured duration and free messages (the compute's imbalance as",
+             "it was); `measured` = from the run. measured / replayed is what hand-offs and the executor cost;",
+             "replayed / theory the compute's imbalance (the last stage's loss, vCPUs the host serves unequally).",
+             "`-`: recorded before the replay existed.",
              ""]
     for run in runs:
         meta = run["meta"]
         lines += [f"## pp = {meta['pp']} ({meta['cores']} cores on this machine; {meta['platform']}; "
                   f"glibc keeps freed memory: {meta.get('keep_freed_memory', False)})", ""]
+        if "command" in meta:
+            lines += [f"`{meta['command']}`, {meta['taken']}.", ""]
         if meta["pp"] > meta["cores"]:
             lines += [f"**Oversubscribed: {meta['pp']} ranks on {meta['cores']} cores.** Ranks share cores, so "
                       "compute times stretch and idle time is partly time descheduled; these rows do not measure "
                       "the schedule's bubble faithfully.", ""]
-        lines += ["| width | schedule | v | m | layers | theory | simulated | measured | measured / theory | "
-                  "F ms | B ms | step s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| width | schedule | v | m | layers | theory | replayed | measured | measured / theory | "
+                  "measured / replayed | F ms | B ms | step s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in run["cases"]:
+            replayed = c.get("replayed")  # absent from runs recorded before the replay
+            replay_cells = ("-", "-") if replayed is None else (f"{replayed:.3f}", f"{c['measured'] / replayed:.2f}")
             lines.append(f"| {c['d_model']}x{c['d_hidden']} | {c['schedule']} | {c['v']} | {c['m']} | {c['layers']} | "
-                         f"{c['theory']:.3f} | {c['simulated']:.3f} | {c['measured']:.3f} | "
-                         f"{c['measured'] / c['theory']:.2f} | {c['t_f_ms']:.2f} | {c['t_b_ms']:.2f} | "
-                         f"{c['step_s']:.3f} |")
+                         f"{c['theory']:.3f} | {replay_cells[0]} | {c['measured']:.3f} | "
+                         f"{c['measured'] / c['theory']:.2f} | {replay_cells[1]} | {c['t_f_ms']:.2f} | "
+                         f"{c['t_b_ms']:.2f} | {c['step_s']:.3f} |")
         lines.append("")
     text = "\n".join(lines) + ("\n" + notes if notes else "")
     with open(markdown, "w") as f:
@@ -144,6 +160,8 @@ def main(argv=None) -> None:
                    help="leave glibc's malloc settings alone (freed memory goes back to the OS)")
     p.add_argument("--quick", action="store_true", help="small model, 1 step (smoke test)")
     p.add_argument("--spin-after-send", default="auto", help="PipelineParallel's spin_after_send: auto or seconds")
+    p.add_argument("--shared-memory", choices=("on", "off"), default="on",
+                   help="PipelineParallel's shared_memory: hand-offs through the node's shared memory, or MPI")
     p.add_argument("--record", action="store_true",
                    help="write bench/results/pipeline_bubble_pp{P}.json and regenerate pipeline_bubble.md's tables")
     args = p.parse_args(argv)
@@ -164,10 +182,13 @@ def main(argv=None) -> None:
                 cases.append(c)
                 if comm.rank == 0:
                     print(f"pp={pp} {d_model}x{d_hidden} {schedule:17s} v={v} m={m:3d}: theory {c['theory']:.3f}  "
-                          f"simulated {c['simulated']:.3f}  measured {c['measured']:.3f}  (F {c['t_f_ms']:.2f} ms, "
+                          f"replayed {c['replayed']:.3f}  measured {c['measured']:.3f}  (F {c['t_f_ms']:.2f} ms, "
                           f"B {c['t_b_ms']:.2f} ms, {time.perf_counter() - t0:.1f} s)", flush=True)
     if comm.rank == 0 and args.record and not args.quick:
         meta = {"pp": pp, "cores": os.cpu_count(), "platform": platform.platform(),
+                "command": f"mpiexec -n {pp} python bench/pipeline_bubble.py " + " ".join(
+                    sys.argv[1:] if argv is None else argv),
+                "taken": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "threads": os.environ.get("OMP_NUM_THREADS", "unset"), "python": sys.version.split()[0],
                 "keep_freed_memory": kept}
         os.makedirs(RESULTS, exist_ok=True)

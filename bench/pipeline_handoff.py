@@ -85,11 +85,13 @@ def main(argv=None) -> int:
     ap.add_argument("--layers-per-stage", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--shared-memory", choices=("on", "off"), default="on",
+                    help="PipelineParallel's shared_memory: hand-offs through the node's shared memory, or MPI")
     args = ap.parse_args(argv)
     comm = two_ranks()
     d_model, d_hidden = (int(x) for x in args.width.split("x"))
     model = transformer_mlp_stack(2 * args.layers_per_stage, d_model, d_hidden, seed=0)
-    pipe = PipelineParallel(model, comm, args.micro_batches, schedule="1f1b")
+    pipe = PipelineParallel(model, comm, args.micro_batches, schedule="1f1b", shared_memory=args.shared_memory == "on")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.micro_batches * args.mb_rows, d_model))
     y = rng.standard_normal(x.shape)
@@ -104,8 +106,9 @@ def main(argv=None) -> int:
         q1, median, q3 = np.percentile(us, [25, 50, 75])
         print(f"pp = 2, 1f1b, {args.micro_batches} micro-batches of {args.mb_rows} x {d_model} float64 "
               f"({args.mb_rows * d_model * 8 / 1024:.0f} KiB per message), width {args.width}, {args.steps} steps")
-        print(f"each send tested after it for at most {pipe.spin_after_send * 1e3:g} ms (measured at the first step; "
-              "0: MPI moves a hand-off while the sender computes)")
+        path = "the node's shared memory" if pipe._shared.all_shared else "MPI messages"
+        print(f"hand-offs through {path}; each send tested after it for at most {pipe.spin_after_send * 1e3:g} ms "
+              "(measured at the first step; 0: not needed)")
         print(f"hand-offs the receiver waited for: {us.size}; median {median:.1f} us "
               f"(quartiles {q1:.1f} - {q3:.1f} us, min {us.min():.1f} us)")
         for name, values in floor.items():

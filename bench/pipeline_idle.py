@@ -4,9 +4,13 @@ broadcast of each step, from the executor's trace.
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 timeout 600 mpiexec -n 2 python bench/pipeline_idle.py --schedule 1f1b
 
 The model and micro-batches are bench/pipeline_bubble.py's pp = 2 rows (TransformerMLPBlocks 192x768, 2 layers per
-chunk, 64-row micro-batches). Beside the medians, "ideal" is the step that free communication would give with the
-measured per-rank compute: the busiest rank's compute plus the other rank's first forward and last backward chunk
-(pp = 2, one chunk per rank) — what separates measured from theory that is imbalance, not messages.
+chunk, 64-row micro-batches). Beside the medians, each step is replayed in ``simulate_timeline`` with its own measured
+durations, twice: with free messages (every action's compute only: what separates that from theory is the ranks'
+unequal and varying compute, not messages), and with the messages as measured (``traced_pipeline.replay``: each
+compute carries the send after it and the receive before it of a message that had already arrived, MPI's copy on
+the receiver's time; the step's median latency from a send's end to its waiting receiver's compute). What separates
+the measured step from the second replay is neither compute nor messages (the executor's own steps, the drain, the
+loss broadcast).
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ import numpy as np
 
 from mpcomm.nn import transformer_mlp_stack
 from mpcomm.parallel.pipeline import PipelineParallel
-from traced_pipeline import traced_steps, two_ranks  # bench/traced_pipeline.py
+from mpcomm.parallel.schedules import bubble_fraction_theory, schedule
+from traced_pipeline import replay, send_latencies, spans_of, traced_steps, two_ranks  # bench/traced_pipeline.py
 
 PARTS = ("compute", "forward", "backward", "wait", "send", "drain", "bcast", "other", "total")
 
@@ -53,7 +58,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.micro_batches * 64, 192))
     y = rng.standard_normal(x.shape)
-    steps = [step_parts(pipe) for _ in traced_steps(pipe, x, y, args.steps, args.warmup)]
+    steps = [(step_parts(pipe), list(pipe.trace)) for _ in traced_steps(pipe, x, y, args.steps, args.warmup)]
     every = comm.mpi.gather(steps, root=0)
     if comm.rank == 0:
         m = args.micro_batches
@@ -62,20 +67,22 @@ def main(argv=None) -> int:
         print("|---" * (len(PARTS) + 1) + "|")
         medians = []
         for rank, rows in enumerate(every):
-            med = {k: float(np.median([r[k] for r in rows])) * 1e3 for k in PARTS}
+            med = {k: float(np.median([parts[k] for parts, _ in rows])) * 1e3 for k in PARTS}
             medians.append(med)
             print(f"| {rank} | " + " | ".join(f"{med[k]:.2f}" for k in PARTS) + " |")
-        if v == 1:
-            busiest = max(range(2), key=lambda r: medians[r]["compute"])
-            other = medians[1 - busiest]
-            ideal = medians[busiest]["compute"] + (other["forward"] + other["backward"]) / m
-            total = max(med["total"] for med in medians)
-            bubble = 1 - sum(med["compute"] for med in medians) / (2 * total)
-            ideal_bubble = 1 - sum(med["compute"] for med in medians) / (2 * ideal)
-            theory = 1 / (m + 1)
-            print(f"step {total:.2f} ms, ideal with this compute {ideal:.2f} ms; bubble {bubble:.3f} = "
-                  f"{bubble / theory:.2f} x theory, with free messages {ideal_bubble:.3f} = "
-                  f"{ideal_bubble / theory:.2f} x theory")
+        lists = schedule(args.schedule, 2, m, v)
+        step_spans = [spans_of(traces) for traces in zip(*([trace for _, trace in rows] for rows in every))]
+        latency = np.median([x for spans in step_spans for x in send_latencies(spans)] or [0.0])
+        print(f"median send end -> waiting receiver's compute: {latency * 1e6:.1f} us")
+        compute = sum(med["compute"] for med in medians)
+        theory = bubble_fraction_theory(2, m, v)
+        for name, step in (("measured", max(med["total"] for med in medians)),
+                           ("replayed, free messages",
+                            np.median([replay(lists, spans, False).makespan for spans in step_spans]) * 1e3),
+                           ("replayed, messages as measured",
+                            np.median([replay(lists, spans, True).makespan for spans in step_spans]) * 1e3)):
+            bubble = 1 - compute / (2 * step)
+            print(f"{name}: step {step:.2f} ms, bubble {bubble:.3f} = {bubble / theory:.2f} x theory")
     comm.free()
     return 0
 

@@ -131,6 +131,12 @@ class Transport:
                     f"from rank {peer}, expected {nbytes} (do all ranks pass the same sizes and dtypes?)"
                 )
 
+    def poll_until(self, test, peers: Sequence[int], operation=None) -> None:
+        """Call ``test()`` until it is true, within the deadline, for a wait that is no MPI request (a flag in
+        shared memory that ``peers`` raise); a timeout raises like :meth:`wait`."""
+        if not test():
+            self._poll(test, (), peers, self.timeout, operation)
+
     def wait_one(self, request: MPI.Request, peers: Sequence[int] | None = None, status: MPI.Status | None = None,
                  operation=None) -> None:
         """:meth:`wait` for the single ``request`` (by default a collective with every peer), polled with MPI's

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import mpiexec_path, serial_only
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,15 +45,45 @@ def test_pipeline_bubble_regenerates_its_tables_and_keeps_the_notes_below_them(t
         sys.path.pop(0)
     monkeypatch.setattr(pipeline_bubble, "RESULTS", str(tmp_path))
     case = {"pp": 2, "schedule": "1f1b", "v": 1, "m": 8, "layers": 4, "d_model": 192, "d_hidden": 768,
-            "theory": 0.111, "simulated": 0.111, "measured": 0.125, "t_f_ms": 4.1, "t_b_ms": 5.2, "step_s": 0.087}
+            "theory": 0.111, "replayed": 0.118, "measured": 0.125, "t_f_ms": 4.1, "t_b_ms": 5.2, "step_s": 0.087}
+    recorded_before_the_replay = dict(case, schedule="gpipe", replayed=None)
     meta = {"pp": 2, "cores": 2, "platform": "test"}
-    (tmp_path / "pipeline_bubble_pp2.json").write_text(json.dumps({"meta": meta, "cases": [case]}))
+    (tmp_path / "pipeline_bubble_pp2.json").write_text(json.dumps({"meta": meta,
+                                                                   "cases": [case, recorded_before_the_replay]}))
     notes = pipeline_bubble.NOTES + "\n\n## A note by hand\n\nkept\n"
     (tmp_path / "pipeline_bubble.md").write_text("# old tables\n\n| stale |\n\n" + notes)
     text = pipeline_bubble.write_markdown()
     assert text == (tmp_path / "pipeline_bubble.md").read_text()
-    assert "stale" not in text and "| 192x768 | 1f1b | 1 | 8 | 4 | 0.111 | 0.111 | 0.125 | 1.13 |" in text
+    assert "stale" not in text and "| 192x768 | 1f1b | 1 | 8 | 4 | 0.111 | 0.118 | 0.125 | 1.13 | 1.06 |" in text
+    assert "| 192x768 | gpipe | 1 | 8 | 4 | 0.111 | - | 0.125 | 1.13 | - |" in text
     assert text.endswith("\n" + notes)
+
+
+def test_a_traced_step_replays_to_its_own_makespan():
+    """bench/traced_pipeline.replay: a hand-made pp = 2, m = 1 trace (1 s computes, 0.1 s sends, 0.2 s from each
+    send's end to its waiting receiver's compute) replays to 4 s with free messages and to its measured 4.6 s with
+    them; a receive of a message that had already arrived costs its receiver's time."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from traced_pipeline import replay, send_latencies, spans_of
+    finally:
+        sys.path.pop(0)
+    from mpcomm.parallel.schedules import schedule
+
+    rank0 = [("F0.0", 0.0, 1.0), ("SEND_F0.0", 1.0, 1.1), ("WRECV_B0.0", 1.1, 3.6), ("B0.0", 3.6, 4.6)]
+    rank1 = [("WRECV_F1.0", 0.0, 1.3), ("F1.0", 1.3, 2.3), ("B1.0", 2.3, 3.3), ("SEND_B1.0", 3.3, 3.4)]
+    spans = spans_of([rank0, rank1])
+    assert send_latencies(spans) == pytest.approx([0.2, 0.2])
+    lists = schedule("1f1b", 2, 1)
+    assert replay(lists, spans, False).makespan == pytest.approx(4.0)
+    assert replay(lists, spans, True).makespan == pytest.approx(4.6)
+
+    # rank 1 starts its receive after the message's send ended: its 0.1 s is rank 1's own work (MPI's copy), not a
+    # wait, so it is no latency and is charged to rank 1's compute instead
+    arrived = spans_of([rank0, [("WRECV_F1.0", 1.2, 1.3)] + rank1[1:]])
+    copied_at_once = spans_of([rank0, [("WRECV_F1.0", 1.2, 1.2)] + rank1[1:]])
+    assert send_latencies(arrived) == pytest.approx([0.2])
+    assert replay(lists, arrived, True).makespan - replay(lists, copied_at_once, True).makespan == pytest.approx(0.1)
 
 
 def test_ddp_overlap_tiny(tmp_path):
@@ -67,4 +99,5 @@ def test_ddp_overlap_tiny(tmp_path):
 def test_pipeline_idle_tiny():
     out = _run("bench/pipeline_idle.py", "--schedule", "gpipe", "--micro-batches", "2", "--steps", "1", "--warmup", "0")
     rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
-    assert len(rows) == 2 and "ideal with this compute" in out and "x theory" in out, out
+    replays = [line for line in out.splitlines() if line.startswith(("measured:", "replayed, "))]
+    assert len(rows) == 2 and len(replays) == 3 and all("x theory" in line for line in replays), out

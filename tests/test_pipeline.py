@@ -105,15 +105,19 @@ def test_single_rank_micro_batches_and_local_virtual_stages_match_reference(sche
 # ------------------------------------------------------------------------------------------ MPI
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "mpi"])
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
-def test_pipeline_matches_single_process(schedule, v):
+def test_pipeline_matches_single_process(schedule, v, shared_memory):
+    """Hand-offs through the node's shared memory (the default on one host) or as MPI messages alike."""
     comm = world()
     pp = comm.size
     wl, m = workload_for(pp, v)
-    pipe = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v)
+    pipe = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v, shared_memory=shared_memory)
     assert pipe.stages == [c * pp + comm.rank for c in range(v)]
     losses = train_pipeline(pipe, wl, 3)
     assert_matches_single_process(pipe, losses, wl)
+    if pp > 1:  # every rank is on this host: all hand-offs take the path asked for
+        assert bool(pipe._shared.outgoing and pipe._shared.incoming) == shared_memory == pipe._shared.all_shared
     t = pipe.timing
     assert t["steps"] == 3 and t["total"] >= t["compute"] >= 0 and t["comm_wait"] >= 0
     assert abs(t["bubble"] - (t["total"] - t["compute"])) < 1e-9
@@ -133,10 +137,11 @@ def test_recompute_gives_identical_results(schedule, v):
 
 
 @pytest.mark.mpi
-def test_adam_and_small_receive_window_match_reference():
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "mpi"])
+def test_adam_and_small_receive_window_match_reference(shared_memory):
     comm = world()
     wl, m = workload_for(comm.size, 1)
-    pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b", max_posted_recvs=1)
+    pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b", max_posted_recvs=1, shared_memory=shared_memory)
     losses = train_pipeline(pipe, wl, 3, "adam", 0.01)
     assert_matches_single_process(pipe, losses, wl, "adam", 0.01)
 
@@ -146,12 +151,13 @@ def test_adam_and_small_receive_window_match_reference():
 def test_testing_each_send_after_it_changes_nothing_but_time(schedule, v):
     """spin_after_send (test each send for a while after it, for MPI libraries that move a message only while its
     sender calls them) trains exactly as not testing does, and as the setting measured at the first step ('auto'),
-    which every rank agrees on."""
+    which every rank agrees on. (MPI's hand-offs: through shared memory nothing is tested.)"""
     comm = world()
     wl, m = workload_for(comm.size, v)
     runs = {}
     for setting in (0, 1e-3, "auto"):
-        pipe = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v, spin_after_send=setting)
+        pipe = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v, spin_after_send=setting,
+                                shared_memory=False)
         runs[setting] = (train_pipeline(pipe, wl, 2), pipe)
     assert runs[0][0] == runs[1e-3][0] == runs["auto"][0]
     for (n, p), (_, q) in zip(runs[0][1].named_parameters(), runs["auto"][1].named_parameters()):
@@ -168,10 +174,10 @@ from mpcomm import Communicator
 from mpcomm.nn import mlp
 from mpcomm.parallel.pipeline import PipelineParallel
 comm = Communicator()
-pipe = PipelineParallel(mlp([256, 256, 256], activation=None, seed=0), comm, 2)
+pipes = [PipelineParallel(mlp([256, 256, 256], activation=None, seed=0), comm, 2, shared_memory=shared)
+         for shared in (False, True)]
 x = np.ones((2 * 64, 256))  # 64 x 256 float64 per micro-batch: 128 KiB hand-offs
-loss = pipe.train_step(x, x)
-results = comm.mpi.gather((loss, pipe.spin_after_send))
+results = comm.mpi.gather([(pipe.train_step(x, x), pipe.spin_after_send) for pipe in pipes])
 if comm.rank == 0:
     print(json.dumps(results))
 """
@@ -180,7 +186,8 @@ if comm.rank == 0:
 @serial_only
 def test_a_library_that_moves_hand_offs_only_with_the_senders_calls_is_measured_as_such():
     """MPICH without CMA (as where yama's ptrace_scope is not 0) moves a 128 KiB message only while its sender
-    calls MPI; the first step finds that, and every rank then tests each send for 2-10 ms after it."""
+    calls MPI; the first step finds that, and every rank then tests each send for 2-10 ms after it. Through the
+    node's shared memory no MPI message carries data, and nothing is measured (0)."""
     from mpi4py import MPI
 
     if not MPI.Get_library_version().startswith("MPICH"):
@@ -189,8 +196,9 @@ def test_a_library_that_moves_hand_offs_only_with_the_senders_calls_is_measured_
     proc = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-c", _STALLING_HANDOFF], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (loss, spin), other = json.loads(proc.stdout.splitlines()[-1])  # (loss, spin_after_send) of ranks 0, 1
-    assert other == [loss, spin] and 2e-3 <= spin <= 10e-3, proc.stdout
+    ranks = json.loads(proc.stdout.splitlines()[-1])  # per rank: [(loss, spin_after_send) by MPI, by shared memory]
+    (loss, spin), (shared_loss, shared_spin) = ranks[0]
+    assert ranks[1] == ranks[0] and 2e-3 <= spin <= 10e-3 and shared_spin == 0 and shared_loss == loss, proc.stdout
 
 
 @pytest.mark.mpi
@@ -271,7 +279,7 @@ def test_a_receive_of_another_size_raises_on_the_receiver(extra_rows):
 
     comm = Communicator(timeout=1.0)
     wl, m = workload_for(comm.size, 1)
-    pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b")
+    pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b", shared_memory=False)
     pipe.train_step(*wl.batch(0))
     last = comm.rank == comm.size - 1
     if last:
@@ -286,6 +294,88 @@ def test_a_receive_of_another_size_raises_on_the_receiver(extra_rows):
         else:
             assert "MPI error" in str(error.value)
     comm.mpi.Barrier()  # the ranks leave together (the others' errors are timeouts)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_hand_off_of_another_shape_through_shared_memory_raises_on_both_sides_at_once():
+    """Through shared memory the sender checks its array against the slot agreed at the first step (here: rank
+    0's slot altered) and raises; its flag tells the receiver, which raises at once instead of at its deadline;
+    the other ranks time out."""
+    import time
+
+    from mpcomm import Communicator, MpcommError
+
+    comm = Communicator(timeout=2.0)
+    wl, m = workload_for(comm.size, 1)
+    pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b")
+    pipe.train_step(*wl.batch(0))
+    if comm.rank == 0:
+        tag = min(pipe._shared.outgoing)
+        slot, flag = pipe._shared.outgoing[tag]
+        pipe._shared.outgoing[tag] = (slot[1:], flag)
+    start = time.perf_counter()
+    with pytest.raises(MpcommError) as error:
+        pipe.train_step(*wl.batch(1))
+    if comm.rank == 0:
+        assert re.search(r"the activation of stage 0 for micro-batch 0 is float64\[\d+, 12\] where the first step "
+                         r"agreed float64\[\d+, 12\]", str(error.value)), error.value
+    elif comm.rank == 1:
+        assert "had a message of another shape or dtype than agreed" in str(error.value), error.value
+        assert time.perf_counter() - start < 1.0  # not the 2 s deadline
+    comm.mpi.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_node_whose_shared_memory_is_short_hands_off_by_mpi(monkeypatch):
+    """Where /dev/shm (MPICH maps a shared window there; a write past its end is a SIGBUS) has less than twice
+    the node's window free — here as one rank sees it — the whole node hands off by MPI, and trains alike."""
+    from mpcomm.parallel import shared_handoff
+
+    comm = world()
+    if comm.rank == 0:
+        monkeypatch.setattr(shared_handoff, "_free_shared_memory", lambda: 64)
+    wl, m = workload_for(comm.size, 1)
+    pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b")
+    losses = train_pipeline(pipe, wl, 2)
+    assert_matches_single_process(pipe, losses, wl)
+    assert pipe._shared.window is None and not pipe._shared.incoming and not pipe._shared.all_shared
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("hold_a_received_array", [False, True])
+def test_reset_shapes_gives_new_shapes_a_new_window_and_unmaps_the_old_one_only_when_nothing_is_on_it(
+        hold_a_received_array):
+    """After reset_shapes() a new micro-batch shape trains like one process (a pipeline of one rank, no
+    hand-offs) on the same batches; the old window is freed at that step, unless an array on it is still held
+    somewhere (here: by the test), which must stay readable."""
+    comm = world()
+    wl, m = workload_for(comm.size, 1)
+    x, y = wl.batch(0)
+    batches = [(x, y), (np.vstack([x, x[:m]]), np.vstack([y, y[:m]]))]  # then one more row per micro-batch
+    pipes = [PipelineParallel(wl.model(), c, m) for c in (comm, self_comm())]
+    opts = [make_optimizer("sgd", p.parameters(), 0.1) for p in pipes]
+    losses = [[], []]
+    for step, (xb, yb) in enumerate(batches):
+        if step == 1:
+            old = pipes[0]._shared
+            held = next(iter(old.incoming.values()))[0] if hold_a_received_array else None
+            expected = None if held is None else held.copy()
+            for pipe in pipes:
+                pipe.reset_shapes()
+        for pipe, opt, out in zip(pipes, opts, losses):
+            out.append(pipe.train_step(xb, yb))
+            opt.step()
+            opt.zero_grad()
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-12)
+    ours, reference = pipes[0].full_state_dict(), pipes[1].full_state_dict()
+    for name in reference:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-12, atol=1e-15, err_msg=name)
+    new = pipes[0]._shared
+    assert new is not old and new.incoming and old.incoming == {}
+    if hold_a_received_array:
+        assert new._kept is old and old.window is not None and np.array_equal(held, expected)
+    else:
+        assert new._kept is None and old.window is None
 
 
 @pytest.mark.mpi(min_size=2)

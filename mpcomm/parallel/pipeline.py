@@ -12,7 +12,8 @@ micro-batch following this rank's list from ``with_communication(schedule(...))`
   equal those of the full (local) batch mean.
 * ``B``: chunk backward with the received gradient (or the loss gradient on the last stage).
 * ``SEND_*``: one MPI message of the activation or gradient — its request and buffer are kept until completed
-  (released while this rank waits in a receive, drained at the end of the step).
+  (released while this rank waits in a receive, drained at the end of the step) — or, to a rank of the same
+  node, a copy into the receiver's shared memory (below).
 * ``RECV_*``: a receive into a fresh buffer of the known shape, posted ahead of time (up to ``max_posted_recvs``
   outstanding, in list order) so the transfer overlaps computation; waited only when the action is reached.
 
@@ -34,10 +35,19 @@ size other than the expected one raises on the receiver (never a partial buffer)
 the receives it left posted.  Later steps must keep the same micro-batch shape (a change raises on stage 0);
 call :meth:`PipelineParallel.reset_shapes` to re-infer.
 
-A send is started and left to MPI, which on most configurations moves it while this rank computes on. Some move
+Between ranks of one node (``shared_memory=True``, the default; stages on numpy arrays) hand-offs skip MPI: at the
+first step every rank exposes slots in an MPI shared-memory window (:mod:`mpcomm.parallel.shared_handoff`); a
+sender copies its output into the message's slot and raises a flag, and the receiver computes on the slot in place
+(a 128 KiB hand-off 43-54 us instead of 107-138 through MPI, bench/results/pipeline_handoff.md). A slot is reused
+only once its receiver's backward of the micro-batch is done, whatever the timing; a node whose /dev/shm is short
+of twice its window, other nodes, and device arrays go through MPI. ``shared_memory=False`` sends every hand-off
+as an MPI message.
+
+An MPI send is started and left to MPI, which on most configurations moves it while this rank computes on. Some move
 a message only while its sender calls MPI (MPICH's shared memory without CMA, i.e. where yama's ``ptrace_scope`` is
-not 0, as on Ubuntu): there the waiting receiver would wait for the sender's whole next compute. The first step
-measures which is the case (:mod:`mpcomm.parallel.send_progress`); where it is, each send is tested until it
+not 0, as on Ubuntu): there the waiting receiver would wait for the sender's whole next compute. Where some
+neighbouring ranks hand off by MPI, the first step measures which is the case (:mod:`mpcomm.parallel.send_progress`);
+where it is, each send is tested until it
 completes, for at most ``spin_after_send`` seconds (2-10 ms; pass a number to set it, 0 never to test), and
 ``self.spin_after_send`` says what was decided.
 
@@ -56,6 +66,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -67,9 +78,10 @@ from mpcomm.nn.backend import array_module
 from mpcomm.staging import for_buffers
 from mpcomm.transport import cancel, completed
 
-from .schedules import (B, F, RECV_F, SCHEDULES, message_tag, schedule as make_schedule,
+from .schedules import (B, F, RECV_F, SCHEDULES, SEND_B, message_tag, schedule as make_schedule,
                         with_communication)
 from .send_progress import measure_spin_after_send, test_until
+from .shared_handoff import SharedHandoffs
 from .tensor import gather_full_state
 
 __all__ = ["PipelineParallel", "partition_layers"]
@@ -177,7 +189,7 @@ class PipelineParallel:
     def __init__(self, module: Sequential, mesh, num_micro_batches: int, schedule: str = "1f1b",
                  virtual_stages: int = 1, balance: Any = "layers", recompute: bool = False,
                  loss_fn: Callable = mse_loss, max_posted_recvs: int | None = 4, tag_base: int = 0,
-                 spin_after_send: float | str = "auto"):
+                 spin_after_send: float | str = "auto", shared_memory: bool = True):
         self.comm = _pp_comm(mesh)
         self.pp, self.rank = self.comm.size, self.comm.rank
         if schedule not in SCHEDULES:
@@ -195,7 +207,8 @@ class PipelineParallel:
         self.bounds = partition_layers(module, self.num_stages, balance)
         self.chunks = [module[a:b] for a, b in self.bounds]  # slices share the modules and keep their names
         self.stages = [c * self.pp + self.rank for c in range(self.v)]  # stages held here
-        self.actions = with_communication(compute, self.pp, self.v)[self.rank]
+        self._all_actions = with_communication(compute, self.pp, self.v)
+        self.actions = self._all_actions[self.rank]
         self._program = [_instruction(a, num_micro_batches, tag_base) for a in self.actions]
         self.compute_actions = compute
         self.recompute, self.loss_fn = bool(recompute), loss_fn
@@ -205,6 +218,9 @@ class PipelineParallel:
                 spin_after_send, (int, float)) or not 0 <= spin_after_send < float("inf")):
             raise ConfigError(f"spin_after_send must be 'auto' or a number of seconds >= 0, got {spin_after_send!r}")
         self._spin_setting = spin_after_send
+        if not isinstance(shared_memory, bool):
+            raise ConfigError(f"shared_memory must be True or False, got {shared_memory!r}")
+        self.shared_memory = shared_memory
         # seconds each send is tested after it (see mpcomm.parallel.send_progress); "auto": measured at the first step
         self.spin_after_send: float | None = None if spin_after_send == "auto" else float(spin_after_send)
         ub = _tag_upper_bound(self.comm)
@@ -216,6 +232,9 @@ class PipelineParallel:
         self._in_key = None
         self._recvs: list | None = None  # see _receive_plan
         self._wire = None  # the hand-offs' own MPI communicator (made at the first step): see train_step
+        self._shared: SharedHandoffs | None = None  # hand-offs within a node (made at the first step)
+        self._stale_shared: SharedHandoffs | None = None  # the window of the shapes before reset_shapes()
+        self._steps_called = 0  # train_step calls, failed ones included: names a step's flags in shared memory
         self.trace: list | None = None  # set to a list to record (label, t0, t1) per action (perf_counter)
         self.timing = {"compute": 0.0, "comm_wait": 0.0, "bubble": 0.0, "total": 0.0, "steps": 0}
         self.last_timing: dict[str, float] = {}
@@ -279,6 +298,8 @@ class PipelineParallel:
     # ---------------------------------------------------------------- shapes
     def reset_shapes(self) -> None:
         self._shapes, self._in_key, self._recvs = None, None, None
+        if self._shared is not None:  # its window is freed at the next step, once every rank is known there
+            self._stale_shared, self._shared = self._shared, None
         if self._spin_setting == "auto":
             self.spin_after_send = None  # measured again, for the new message sizes
 
@@ -332,6 +353,17 @@ class PipelineParallel:
             w.wait()
         self._shapes = shapes
 
+    def _messages(self) -> dict[tuple[str, int, int], tuple[int, tuple, Any]]:
+        """Match key -> ``(tag, shape, dtype)`` of every message this rank sends or receives in a step: a stage's
+        input comes in and its gradient goes back; its output goes on and the output's gradient comes back."""
+        out = {}
+        for a in self.actions:
+            if not a.is_compute:
+                in_shape, in_dtype, out_shape, out_dtype = self._shapes[a.stage]
+                shape, dtype = (in_shape, in_dtype) if a.kind in (RECV_F, SEND_B) else (out_shape, out_dtype)
+                out[a.match_key()] = (message_tag(a, self.num_micro_batches, self.tag_base), shape, dtype)
+        return out
+
     def _largest_message(self) -> int:
         """Bytes of the largest activation or gradient a local stage receives or sends."""
         return max(int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -362,6 +394,7 @@ class PipelineParallel:
         Returns the mean loss over the batch, identical on every pipeline rank.
         """
         t_start = time.perf_counter()
+        self._steps_called += 1  # first, so that a step that fails anywhere still counts alike on every rank
         m, S, pp, r = self.num_micro_batches, self.num_stages, self.pp, self.rank
         xs = self._split(x, "x") if 0 in self.stages else None
         ys = self._split(y, "y") if (S - 1) in self.stages else None
@@ -377,14 +410,26 @@ class PipelineParallel:
             self._in_key = key
             if pp > 1 and self._wire is None:
                 self._wire = self.comm._protocol_transport("pipeline")
-        if self.spin_after_send is None:
-            self.spin_after_send = 0.0 if pp == 1 else measure_spin_after_send(
+        xp = _xp_of(self.chunks[self.stages[0]])
+        if pp > 1 and self._shared is None:
+            host = all(_xp_of(self.chunks[s]) is np for s in self.stages)
+            self._shared = SharedHandoffs(self._wire, self._all_actions, self._messages(), self.shared_memory and host,
+                                          replacing=self._stale_shared)
+            self._stale_shared = None
+        shared = self._shared
+        if self.spin_after_send is None:  # only MPI's hand-offs may need it
+            self.spin_after_send = 0.0 if pp == 1 or shared.all_shared else measure_spin_after_send(
                 self.comm, self._wire, self._largest_message(), self.tag_base + 2 * S * m)
         wire, spin = self._wire, self.spin_after_send
-        xp = _xp_of(self.chunks[self.stages[0]])
+        if shared is not None:
+            shared.begin_step(self._steps_called)
+        shared_in = shared.incoming if shared is not None else {}
+        shared_out = shared.outgoing if shared is not None else {}
         recvs = self._receive_plan()
         trace = self.trace
-        posted: deque = deque()  # (request, transport, buffer, peer, inbox key, label) of posted receives, in order
+        # (request, transport, buffer, peer, tag, inbox key, label) of posted receives, in order; request None: the
+        # message comes through the node's shared memory (transport: the SharedHandoffs)
+        posted: deque = deque()
         next_post = 0  # index into recvs of the next receive to post
         sends: list[tuple[Any, Any, Any, int]] = []  # (request, transport, data, peer) of sends in flight
         inbox: dict[tuple[str, int, int], Any] = {}  # (F|B, stage, mb) -> received / local input
@@ -402,9 +447,12 @@ class PipelineParallel:
             nonlocal next_post
             while count > 0 and next_post < len(recvs):
                 shape, dtype, peer, tag, key, label = recvs[next_post]
-                buf = xp.empty(shape, dtype=dtype)
-                t = for_buffers(wire, "recv", buf)
-                posted.append((t.irecv(buf, peer, tag), t, buf, peer, key, label))
+                if tag in shared_in:  # nothing to post: its sender raises a flag in this rank's shared memory
+                    posted.append((None, shared, None, peer, tag, key, label))
+                else:
+                    buf = xp.empty(shape, dtype=dtype)
+                    t = for_buffers(wire, "recv", buf)
+                    posted.append((t.irecv(buf, peer, tag), t, buf, peer, tag, key, label))
                 next_post += 1
                 count -= 1
 
@@ -417,14 +465,18 @@ class PipelineParallel:
                 if op is _RECV:
                     if not posted:
                         post(1)
-                    request, t, buf, peer, key, error_label = posted.popleft()
+                    request, t, buf, peer, tag, key, error_label = posted.popleft()
                     t0 = time.perf_counter()
-                    if not completed(request):
+                    done = partial(completed, request) if request is not None else partial(t.arrived, tag)
+                    if not done():
                         post(limit - len(posted))
                         sends = _unfinished(sends)
-                        while pending_grads and not completed(request):
+                        while pending_grads and not done():
                             _materialize_grad(pending_grads.pop())
-                    t.wait([request], (peer,), (buf.nbytes,), operation=error_label)
+                    if request is None:
+                        buf = t.receive(tag, peer, error_label)
+                    else:
+                        t.wait([request], (peer,), (buf.nbytes,), operation=error_label)
                     t1 = time.perf_counter()
                     t_wait += t1 - t0
                     inbox[key] = buf
@@ -433,12 +485,15 @@ class PipelineParallel:
                     continue
                 if op is _SEND:
                     t0 = time.perf_counter()
-                    data = xp.ascontiguousarray(outbox.pop(key))
-                    t = for_buffers(wire, "send", data)
-                    request = t.isend(data, peer, tag)
-                    if spin:  # MPI moves the message only while this rank calls it (see send_progress)
-                        test_until(request, time.perf_counter() + spin)
-                    sends.append((request, t, data, peer))
+                    if tag in shared_out:
+                        shared.send(tag, outbox.pop(key))
+                    else:
+                        data = xp.ascontiguousarray(outbox.pop(key))
+                        t = for_buffers(wire, "send", data)
+                        request = t.isend(data, peer, tag)
+                        if spin:  # MPI moves the message only while this rank calls it (see send_progress)
+                            test_until(request, time.perf_counter() + spin)
+                        sends.append((request, t, data, peer))
                     if trace is not None:
                         trace.append((label, t0, time.perf_counter()))
                     continue
@@ -475,7 +530,8 @@ class PipelineParallel:
                     trace.append((label, t0, t1))
         except BaseException:  # a receive left posted would take this executor's next message
             for request, *_ in posted:
-                cancel(request)
+                if request is not None:
+                    cancel(request)
             raise
 
         t0 = time.perf_counter()

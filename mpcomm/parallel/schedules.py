@@ -37,7 +37,7 @@ non-blocking.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 from mpcomm.errors import ConfigError, MpcommError
 
@@ -407,6 +407,29 @@ def _dur(t: Duration, a: Action) -> float:
     return float(t(a)) if callable(t) else float(t)
 
 
+def execution_order(lists: Sequence[Sequence[Action]]) -> Iterator[tuple[int, Action]]:
+    """``(rank, action)`` of every rank's actions with communication in an order that can run them: each rank in
+    turn as far as it can go, a receive only after its send. Stops where no rank can move (a schedule that
+    :func:`check_deadlock_free` refuses)."""
+    sent: set[tuple[str, int, int]] = set()
+    pc = [0] * len(lists)
+    moved = True
+    while moved:
+        moved = False
+        for r, acts in enumerate(lists):
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                if a.is_recv:
+                    if a.match_key() not in sent:
+                        break
+                    sent.remove(a.match_key())
+                elif a.is_send:
+                    sent.add(a.match_key())
+                yield r, a
+                pc[r] += 1
+                moved = True
+
+
 def simulate_timeline(lists: Sequence[Sequence[Action]], t_f: Duration = 1.0, t_b: Duration = 2.0,
                       t_comm: Duration = 0.0, pp: int | None = None, v: int | None = None) -> Timeline:
     """Event simulation of a schedule under the execution model of the module docstring.
@@ -424,27 +447,16 @@ def simulate_timeline(lists: Sequence[Sequence[Action]], t_f: Duration = 1.0, t_
     busy = [0.0] * pp
     events: list[list[tuple[float, float, Action]]] = [[] for _ in range(pp)]
     arrival: dict[tuple[str, int, int], float] = {}
-    pc = [0] * pp
-    progress = True
-    while progress:
-        progress = False
-        for r in range(pp):
-            while pc[r] < len(lists[r]):
-                a = lists[r][pc[r]]
-                if a.is_compute:
-                    d = _dur(t_f if a.kind == F else t_b, a)
-                    events[r].append((clock[r], clock[r] + d, a))
-                    clock[r] += d
-                    busy[r] += d
-                elif a.is_send:
-                    arrival[a.match_key()] = clock[r] + _dur(t_comm, a)
-                else:
-                    key = a.match_key()
-                    if key not in arrival:
-                        break
-                    clock[r] = max(clock[r], arrival.pop(key))
-                pc[r] += 1
-                progress = True
+    for r, a in execution_order(lists):
+        if a.is_compute:
+            d = _dur(t_f if a.kind == F else t_b, a)
+            events[r].append((clock[r], clock[r] + d, a))
+            clock[r] += d
+            busy[r] += d
+        elif a.is_send:
+            arrival[a.match_key()] = clock[r] + _dur(t_comm, a)
+        else:
+            clock[r] = max(clock[r], arrival.pop(a.match_key()))
     makespan = max((ev[-1][1] for ev in events if ev), default=0.0)
     return Timeline(events=events, busy=busy, idle=[makespan - b for b in busy], makespan=makespan)
 

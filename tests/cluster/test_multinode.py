@@ -21,6 +21,7 @@ from mpcomm.algorithms import REGISTRY, pipelined
 from mpcomm.nn import SGD, TransformerMLPBlock, make_optimizer, mse_loss
 from mpcomm.parallel.fsdp import FullyShardedDataParallel
 from mpcomm.parallel.pipeline import PipelineParallel
+from mpcomm.parallel.schedules import message_tag
 from mpcomm.parallel.threed import reference_train
 from mpcomm.workload import Workload
 
@@ -192,7 +193,8 @@ def test_fsdp_hybrid_shard_shards_inside_a_node_and_replicates_across():
 
 @pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved-1f1b", 2)])
 def test_pipeline_across_nodes(comm, schedule, v):
-    """One stage per rank: activations and gradients cross the node boundary between stages."""
+    """One stage per rank: activations and gradients cross the node boundary between stages (as MPI messages;
+    between ranks of one node through its shared memory)."""
     wl = Workload(num_layers=2 * P * v, d_model=12, d_hidden=24, global_batch=4 * P, seed=3)
     pipe = PipelineParallel(wl.model(), comm, 2 * P, schedule=schedule, virtual_stages=v)
     opt = make_optimizer("sgd", pipe.parameters(), 0.1)
@@ -203,3 +205,8 @@ def test_pipeline_across_nodes(comm, schedule, v):
         opt.step()
         opt.zero_grad()
     assert_matches_single_process(pipe, losses, wl)
+    node_of = _names(comm.mpi)
+    for a in pipe.actions:
+        if a.is_send:
+            shared = message_tag(a, 2 * P) in pipe._shared.outgoing
+            assert shared == (node_of[a.peer] == node_of[comm.rank]), (a, node_of)
