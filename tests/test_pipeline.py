@@ -305,7 +305,7 @@ def test_a_hand_off_of_another_shape_through_shared_memory_raises_on_both_sides_
 
     from mpcomm import Communicator, MpcommError
 
-    comm = Communicator(timeout=2.0)
+    comm = Communicator(timeout=4.0)
     wl, m = workload_for(comm.size, 1)
     pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b")
     pipe.train_step(*wl.batch(0))
@@ -321,7 +321,7 @@ def test_a_hand_off_of_another_shape_through_shared_memory_raises_on_both_sides_
                          r"agreed float64\[\d+, 12\]", str(error.value)), error.value
     elif comm.rank == 1:
         assert "had a message of another shape or dtype than agreed" in str(error.value), error.value
-        assert time.perf_counter() - start < 1.0  # not the 2 s deadline
+        assert time.perf_counter() - start < 2.0  # not the 4 s deadline
     comm.mpi.Barrier()
 
 
