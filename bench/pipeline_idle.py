@@ -50,11 +50,14 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--shared-memory", choices=("on", "off"), default="on",
+                    help="PipelineParallel's shared_memory: hand-offs through the node's shared memory, or MPI")
     args = ap.parse_args(argv)
     comm = two_ranks()
     v = 2 if args.schedule == "interleaved-1f1b" else 1
     model = transformer_mlp_stack(2 * 2 * v, 192, 768, seed=0)
-    pipe = PipelineParallel(model, comm, args.micro_batches, schedule=args.schedule, virtual_stages=v)
+    pipe = PipelineParallel(model, comm, args.micro_batches, schedule=args.schedule, virtual_stages=v,
+                            shared_memory=args.shared_memory == "on")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.micro_batches * 64, 192))
     y = rng.standard_normal(x.shape)
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
             print(f"| {rank} | " + " | ".join(f"{med[k]:.2f}" for k in PARTS) + " |")
         lists = schedule(args.schedule, 2, m, v)
         step_spans = [spans_of(traces) for traces in zip(*([trace for _, trace in rows] for rows in every))]
-        latency = np.median([x for spans in step_spans for x in send_latencies(spans)] or [0.0])
+        latency = np.median([gap for spans in step_spans for gap in send_latencies(spans)] or [0.0])
         print(f"median send end -> waiting receiver's compute: {latency * 1e6:.1f} us")
         compute = sum(med["compute"] for med in medians)
         theory = bubble_fraction_theory(2, m, v)
