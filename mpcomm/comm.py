@@ -600,7 +600,8 @@ class Communicator:
                 self._inline = InlineProgress()
         if self._inline is not None:
             return self._inline.submit(run, self._async)
-        return FutureWork(self._executor.submit(run, self._async), operation, self._others(), self.rank)
+        return FutureWork(self._executor.submit(run, self._async), operation, self._others(), self.rank,
+                          self._async.waiters)
 
     def _checked(self, body, operation: str, *args, t: Transport | None = None):
         """``body(t, *args)``; an argument error it raises first goes through :meth:`_rejected`."""

@@ -32,6 +32,9 @@ _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS = 8, 2
 # it has lasted _SPIN_SECONDS, for _SLEEP_SHARE of the time waited so far (at most _MAX_SLEEP): the main thread
 # computes meanwhile, and a spinning background thread would take its core (and the GIL) for as long as the
 # wire is busy. Waking late by a few percent of a wait that long is what it costs.
+# Not while another thread waits for its result (Transport.waiters): then nobody computes, and where MPI moves a
+# message only during its calls (MPICH without CMA) each sleep held the copy up: a 4 MiB iallreduce + wait at
+# p = 2 took 1.48-1.54x the blocking all-reduce, 1.07-1.13x without (bench/results/progress_wait.md).
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
 _BYTES = MPI.BYTE
 
@@ -62,6 +65,7 @@ class Transport:
         self.progress_hook = None
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
         self.spins_before_yield, self.quick_tests = _SPINS_BEFORE_YIELD, _QUICK_TESTS
+        self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
 
     def share_cores(self) -> None:
         """This rank shares its core with other ranks: yield it sooner while waiting."""
@@ -236,6 +240,7 @@ class Transport:
         for sub in (self._node, self._cross):
             sub.progress_hook = self.progress_hook
             sub.spins_before_yield, sub.quick_tests = self.spins_before_yield, self.quick_tests
+            sub.waiters = self.waiters
 
     def free(self) -> None:
         """Release the MPI communicators this transport owns."""
@@ -269,7 +274,7 @@ class Transport:
             now = time.monotonic()
             if patient is None:
                 patient = threading.current_thread() is not threading.main_thread()
-            if patient and now - start > _SPIN_SECONDS:
+            if patient and now - start > _SPIN_SECONDS and not self.waiters.count:
                 time.sleep(min(_MAX_SLEEP, _SLEEP_SHARE * (now - start)))
             else:
                 os.sched_yield()
@@ -279,6 +284,25 @@ class Transport:
                 self.failed = True
                 raise CommTimeoutError(operation or self.operation, peers, now - start, timeout, self.rank,
                                        self.on_timeout)
+
+
+class Waiters:
+    """How many threads are blocked until an operation on a transport finishes (``with waiters:`` around the
+    block); while any is, that transport's background waits do not sleep."""
+
+    __slots__ = ("count", "_lock")
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self.count -= 1
 
 
 def completed(request: MPI.Request) -> bool:

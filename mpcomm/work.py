@@ -3,6 +3,7 @@ collectives running on a progress thread (iallreduce, ireduce_scatter, …), and
 cannot take calls from two threads."""
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import time
@@ -49,14 +50,17 @@ STILL_RUNNING = ("the operation is still running and the communicator stays usab
 class FutureWork(Work):
     """A collective running on the communicator's progress thread."""
 
-    def __init__(self, future: Future, operation: str, peers, rank: int):
+    def __init__(self, future: Future, operation: str, peers, rank: int, waiters=None):
         self._future, self._operation, self._peers, self._rank = future, operation, tuple(peers), rank
+        # the progress thread's transport counts this thread while it waits (see mpcomm.transport.Waiters)
+        self._waiters = waiters if waiters is not None else contextlib.nullcontext()
         self._start = time.monotonic()
 
     def wait(self, timeout: float | None = None) -> Any:
         timeout = wait_timeout(timeout, f"{self._operation}: wait")
         try:
-            return self._future.result(timeout)
+            with self._waiters:  # meanwhile the progress thread polls without sleeping
+                return self._future.result(timeout)
         except FutureTimeout:
             if self._future.done():  # the operation itself raised (CommTimeoutError is a TimeoutError too)
                 raise

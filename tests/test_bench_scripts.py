@@ -96,6 +96,11 @@ def test_ddp_overlap_tiny(tmp_path):
         assert row in text, text
 
 
+def test_progress_wait_tiny():
+    out = _run("bench/progress_wait.py", "--mib", "0.01", "--iters", "3", "--warmup", "1")
+    assert "blocking allreduce" in out and "iallreduce + wait" in out and "ratio" in out, out
+
+
 def test_pipeline_idle_tiny():
     out = _run("bench/pipeline_idle.py", "--schedule", "gpipe", "--micro-batches", "2", "--steps", "1", "--warmup", "0")
     rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]

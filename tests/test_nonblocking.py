@@ -235,3 +235,23 @@ def test_every_nonblocking_collective_equals_its_blocking_form(nb, name):
         if name in ("reduce", "gather") and nb.rank != root:
             continue  # only the root's output is defined
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (name, nb.rank, got, want)
+
+
+def test_the_progress_thread_polls_without_sleeping_while_the_caller_waits(monkeypatch):
+    """A wait on a background thread sleeps between its polls (so the caller's compute keeps its core), but not
+    while the caller waits for that very operation: the progress thread's transport, and its node / cross-node
+    parts, count the waiting thread (mpcomm.transport.Waiters), and count nobody once the wait returns."""
+    monkeypatch.setenv("MPCOMM_PROGRESS", "thread")
+    comm = Communicator(WORLD)
+
+    def seen_while_waited_on(t):
+        shared = t.node.waiters is t.waiters and t.cross.waiters is t.waiters
+        deadline = time.monotonic() + 30
+        while not t.waiters.count and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        return shared, t.waiters.count
+
+    work = comm._submit("progress probe", seen_while_waited_on)
+    assert in_step(work.wait) == (True, 1)
+    assert comm._async.waiters.count == 0
+    comm.free()
