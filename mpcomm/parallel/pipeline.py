@@ -38,7 +38,7 @@ call :meth:`PipelineParallel.reset_shapes` to re-infer.
 Between ranks of one node (``shared_memory=True``, the default; stages on numpy arrays) hand-offs skip MPI: at the
 first step every rank exposes slots in an MPI shared-memory window (:mod:`mpcomm.parallel.shared_handoff`); a
 sender copies its output into the message's slot and raises a flag, and the receiver computes on the slot in place
-(a 128 KiB hand-off 43-54 us instead of 107-138 through MPI, bench/results/pipeline_handoff.md). A slot is reused
+(a 128 KiB hand-off 35-64 us instead of 95-155 through MPI, bench/results/pipeline_handoff.md). A slot is reused
 only once its receiver's backward of the micro-batch is done, whatever the timing; a node whose /dev/shm is short
 of twice its window, other nodes, and device arrays go through MPI. ``shared_memory=False`` sends every hand-off
 as an MPI message.
