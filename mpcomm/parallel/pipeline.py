@@ -47,9 +47,8 @@ An MPI send is started and left to MPI, which on most configurations moves it wh
 a message only while its sender calls MPI (MPICH's shared memory without CMA, i.e. where yama's ``ptrace_scope`` is
 not 0, as on Ubuntu): there the waiting receiver would wait for the sender's whole next compute. Where some
 neighbouring ranks hand off by MPI, the first step measures which is the case (:mod:`mpcomm.parallel.send_progress`);
-where it is, each send is tested until it
-completes, for at most ``spin_after_send`` seconds (2-10 ms; pass a number to set it, 0 never to test), and
-``self.spin_after_send`` says what was decided.
+where it is, each send is tested until it completes, for at most ``spin_after_send`` seconds (2-10 ms; pass a
+number to set it, 0 never to test), and ``self.spin_after_send`` says what was decided.
 
 Timing per step (``self.last_timing``; running sums in ``self.timing``): ``compute`` (F/B and loss, including any
 tensor-parallel collectives inside the chunks), ``comm_wait`` (blocked in receive waits and the final send
@@ -310,18 +309,16 @@ class PipelineParallel:
         Inbox keys: forward inputs by the consuming stage, backward gradients by the producing stage.
         """
         if self._recvs is None:
+            messages = self._messages()
             plan = []
             for a in self.actions:
                 if a.is_recv:
-                    in_shape, in_dtype, out_shape, out_dtype = self._shapes[a.stage]
-                    tag = message_tag(a, self.num_micro_batches, self.tag_base)
+                    tag, shape, dtype = messages[a.match_key()]
                     what = "activation into" if a.kind == RECV_F else "gradient from"
                     label = (f"pipeline: receive of the {what} stage {a.stage} of micro-batch {a.microbatch} from "
                              f"rank {a.peer} (tag {tag})")
-                    if a.kind == RECV_F:
-                        plan.append((in_shape, in_dtype, a.peer, tag, (F, a.stage, a.microbatch), label))
-                    else:
-                        plan.append((out_shape, out_dtype, a.peer, tag, (B, a.stage + 1, a.microbatch), label))
+                    key = (F, a.stage, a.microbatch) if a.kind == RECV_F else (B, a.stage + 1, a.microbatch)
+                    plan.append((shape, dtype, a.peer, tag, key, label))
             self._recvs = plan
         return self._recvs
 

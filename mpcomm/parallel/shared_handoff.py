@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
+from functools import partial
 from typing import Sequence
 
 import numpy as np
@@ -196,7 +197,7 @@ class SharedHandoffs:
         """Message ``tag`` of this step, in its slot (not a copy: valid until the step's backward of its
         micro-batch), waited for with the wire's deadline."""
         slot, flag = self.incoming[tag]
-        self.wire.poll_until(lambda: flag[0] in (self.step, -self.step), (peer,), label)
+        self.wire.poll_until(partial(self.arrived, tag), (peer,), label)
         self.window.Sync()
         if flag[0] < 0:
             raise MpcommError(f"{label}: rank {peer} had a message of another shape or dtype than agreed "
