@@ -3,7 +3,6 @@ collectives running on a progress thread (iallreduce, ireduce_scatter, …), and
 cannot take calls from two threads."""
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import time
@@ -50,10 +49,9 @@ STILL_RUNNING = ("the operation is still running and the communicator stays usab
 class FutureWork(Work):
     """A collective running on the communicator's progress thread."""
 
-    def __init__(self, future: Future, operation: str, peers, rank: int, waiters=None):
+    def __init__(self, future: Future, operation: str, peers, rank: int, waiters):
         self._future, self._operation, self._peers, self._rank = future, operation, tuple(peers), rank
-        # the progress thread's transport counts this thread while it waits (see mpcomm.transport.Waiters)
-        self._waiters = waiters if waiters is not None else contextlib.nullcontext()
+        self._waiters = waiters  # the progress thread's transport.Waiters: counts this thread while it waits
         self._start = time.monotonic()
 
     def wait(self, timeout: float | None = None) -> Any:
