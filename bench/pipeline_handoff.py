@@ -20,7 +20,6 @@ after compute on this machine (MPI's own calls run cache-cold then: a header ``I
 from __future__ import annotations
 
 import argparse
-import re
 import time
 
 import numpy as np
@@ -28,28 +27,20 @@ import numpy as np
 from mpcomm import Communicator
 from mpcomm.nn import transformer_mlp_stack
 from mpcomm.parallel.pipeline import PipelineParallel
-from traced_pipeline import traced_steps, two_ranks  # bench/traced_pipeline.py
-
-_ACTION = re.compile(r"^(WRECV_)?([FB])(\d+)\.(\d+)$")  # compute "F1.3"; waited receive "WRECV_F1.3"
+from traced_pipeline import producer_stage, spans_of, traced_steps, two_ranks  # bench/traced_pipeline.py
 
 
 def handoffs(traces: list[list[tuple]]) -> list[float]:
     """Seconds of every hand-off the receiver waited for, from the two ranks' traces of one step."""
-    compute, waits = {}, {}
-    for rank, trace in enumerate(traces):
-        for label, t0, t1 in trace:
-            match = _ACTION.match(label)
-            if match:
-                waited, kind, stage, mb = match.group(1), match.group(2), int(match.group(3)), int(match.group(4))
-                (waits if waited else compute)[(kind, stage, mb)] = (t0, t1)
+    spans = spans_of(traces)
     out = []
-    for (kind, stage, mb), (wait_start, _) in waits.items():
-        producer = (kind, stage - 1, mb) if kind == "F" else (kind, stage + 1, mb)  # who computed the message
-        if producer not in compute or (kind, stage, mb) not in compute:
-            continue
-        sent_at = compute[producer][1]
-        if wait_start <= sent_at:  # the receiver was idle, waiting, when the sender finished
-            out.append(compute[(kind, stage, mb)][0] - sent_at)
+    for label, (wait_start, _) in spans.items():
+        if label.startswith("WRECV_"):  # a waited receive "WRECV_F1.3"; its compute "F1.3"
+            kind, (stage, mb) = label[6], map(int, label[7:].split("."))
+            produced = spans.get(f"{kind}{producer_stage(kind, stage)}.{mb}")  # who computed the message
+            consumed = spans.get(f"{kind}{stage}.{mb}")
+            if produced is not None and consumed is not None and wait_start <= produced[1]:
+                out.append(consumed[0] - produced[1])  # the receiver was idle, waiting, when the sender finished
     return out
 
 

@@ -38,12 +38,17 @@ def traced_steps(pipe: PipelineParallel, x, y, steps: int, warmup: int) -> Itera
             yield step
 
 
+def producer_stage(kind: str, stage: int) -> int:
+    """The stage whose output is the input of ``kind`` ("F" or "B") on ``stage``."""
+    return stage - 1 if kind == "F" else stage + 1
+
+
 def _received(spans: dict[str, tuple], kind: str, stage: int, mb: int) -> tuple | None:
     """``(receive span, its message's send span, arrived)`` of compute ``kind stage.mb``'s input from another rank,
     or None (its input was local); ``arrived``: the send ended before the receive began, so the receive's time was
     the receiver's own work (MPI's copy), not waiting."""
     receive = spans.get(f"WRECV_{kind}{stage}.{mb}")
-    send = spans.get(f"SEND_{kind}{stage - 1 if kind == 'F' else stage + 1}.{mb}")
+    send = spans.get(f"SEND_{kind}{producer_stage(kind, stage)}.{mb}")
     if receive is None or send is None:
         return None
     return receive, send, send[1] < receive[0]
