@@ -7,12 +7,14 @@ STAMP   := $(VENV)/.mpcomm-installed
 MPI_TIMEOUT ?= 900
 RANKS ?= 4
 
-.PHONY: install run test test-serial test-mpi test-torch test-cluster bench clean
+.PHONY: install run test test-serial test-mpi test-torch test-torch-version test-cluster bench clean
+
+EXTRAS  ?= test,plot
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,plot]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,30 +37,42 @@ test-mpi: $(STAMP)
 		timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi -m mpi tests || exit 1; \
 	done
 
-# The CPU build of PyTorch (a plain "torch" or the extra's range may resolve to a multi-GB CUDA build).
-# Measured here: ~35 s to install from the local wheel, +870 MB in the venv.
-# Runs every test marked `torch` (the torch.distributed backend, CPU torch tensors as mpcomm buffers, ...): mark a
-# new test `@pytest.mark.torch`, or a new file with `pytestmark = pytest.mark.torch`, and it runs here. Each run
-# collects all of tests/ to select them: 32-53 s per run measured with the machine loaded (load average ~19).
-# `import torch` first, so that a broken install fails instead of turning the tests into skips; then build the
-# backend's C++ all-reduce (~30 s, cached by torch; a failed build fails here, where the backend would only warn).
-# Then FSDP2 x tensor parallelism on a 2 x 2 DeviceMesh (4 ranks), and PyTorch's own backend test class
+# The torch backend's tests, once per torch release in TORCH_VERSIONS, each in its own venv (.venv-torch-VERSION,
+# built like .venv), so that every release the backend claims to support (pyproject.toml's torch extra: the oldest
+# one here) is tested. 2.13.0 is the CPU build (~15 s from the local wheel, +870 MB); 2.14.1, the current release,
+# is what a plain `pip install torch` gives: the CUDA build with its nvidia-* dependencies (51 s, 5.4 GB measured
+# here; `--no-deps` plus the Python packages torch imports is not enough, libtorch links cuDNN, cuBLAS, NCCL, ...,
+# and with those it saves 1 GB and 2 s, so the plain install it is).
+# Per release: `import torch` first, so that a broken install fails instead of turning the tests into skips; then
+# build the backend's C++ parts (its c10d Backend and its all-reduce, ~30 s each, cached in the venv; a failed build
+# fails here). Then every test marked `torch` (mark a new test `@pytest.mark.torch`, or a file with
+# `pytestmark = pytest.mark.torch`, and it runs here) under 1, 2 and 3 ranks; FSDP2 x tensor parallelism and the
+# pipelining schedules on a 2 x 2 DeviceMesh (4 ranks); and PyTorch's own backend test class
 # DistributedTest._DistTestBase under 3 ranks (tests/torch_backend/distributed_suite.py; expecttest is what torch's test
 # utilities import): the tests gloo passes, those gated on the name "gloo" run as if named so, and PyTorch's MPI-only
 # all-to-all tests (the lists in tests/torch_backend/dist_suite_*.txt say how they were chosen).
-TORCH_SPEC ?= torch==2.13.0
+TORCH_VERSIONS ?= 2.13.0 2.14.1
+TORCH_VERSION ?= 2.14.1
 TORCH_TEST_DEPS ?= expecttest==0.3.0
 DIST_SUITE := tests/torch_backend/distributed_suite.py --backend mpcomm --expect-pass --tests tests/torch_backend/dist_suite_mpcomm.txt \
 	--gated gloo tests/torch_backend/dist_suite_as_gloo.txt --gated mpi tests/torch_backend/dist_suite_as_mpi.txt
-test-torch: $(STAMP)
-	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TORCH_TEST_DEPS)"
-	$(PY) -c "import torch, torch.distributed, expecttest"
-	timeout $(MPI_TIMEOUT) $(PY) -m mpcomm.integrations.torch.extension
+test-torch:
+	for v in $(TORCH_VERSIONS); do \
+		start=$$(date +%s); \
+		$(MAKE) --no-print-directory test-torch-version TORCH_VERSION=$$v VENV=.venv-torch-$$v EXTRAS=test || exit 1; \
+		echo "== torch $$v: the torch stage took $$(( $$(date +%s) - start )) s"; \
+	done
+
+test-torch-version: $(STAMP)
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" "$(TORCH_TEST_DEPS)"
+	$(PY) -c "import torch, torch.distributed, expecttest; print('== torch', torch.__version__)"
+	timeout $(MPI_TIMEOUT) $(PY) -c "import sys; from mpcomm.integrations.torch.extension import main; sys.exit(main())"
 	timeout $(MPI_TIMEOUT) $(PY) -m pytest -q --with-mpi -m torch tests
 	for n in 2 3; do \
 		timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi -m "mpi and torch" tests || exit 1; \
 	done
-	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PY) -m pytest -q --with-mpi -m mpi tests/torch_backend/test_fsdp2_tp.py
+	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PY) -m pytest -q --with-mpi -m mpi tests/torch_backend/test_fsdp2_tp.py \
+		tests/torch_backend/test_pipelining.py
 	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 3 $(PY) $(DIST_SUITE)
 
 # Multi-node tests on simulated clusters (ci/cluster.sh: a network namespace per node, tbf-shaped veth links; needs
@@ -67,4 +81,4 @@ test-cluster: $(STAMP)
 	timeout 1200 tests/cluster/run.sh
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) .venv-torch-* *.egg-info
