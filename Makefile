@@ -49,8 +49,9 @@ test-mpi: $(STAMP)
 # `pytestmark = pytest.mark.torch`, and it runs here) under 1, 2 and 3 ranks; FSDP2 x tensor parallelism and the
 # pipelining schedules on a 2 x 2 DeviceMesh (4 ranks); and PyTorch's own backend test class
 # DistributedTest._DistTestBase under 3 ranks (tests/torch_backend/distributed_suite.py; expecttest is what torch's test
-# utilities import): the tests gloo passes, those gated on the name "gloo" run as if named so, and PyTorch's MPI-only
-# all-to-all tests (the lists in tests/torch_backend/dist_suite_*.txt say how they were chosen).
+# utilities import): the tests gloo passes, those gated on the name "gloo" run as if named so (on 2.14 also the two
+# monitored_barrier tests torch 2.13 runs on gloo alone), and PyTorch's MPI-only all-to-all tests (the lists in
+# tests/torch_backend/dist_suite_*.txt say how they were chosen).
 TORCH_VERSIONS ?= 2.13.0 2.14.1
 TORCH_VERSION ?= 2.14.1
 TORCH_TEST_DEPS ?= expecttest==0.3.0
@@ -73,7 +74,8 @@ test-torch-version: $(STAMP)
 	done
 	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PY) -m pytest -q --with-mpi -m mpi tests/torch_backend/test_fsdp2_tp.py \
 		tests/torch_backend/test_pipelining.py
-	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 3 $(PY) $(DIST_SUITE)
+	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 3 $(PY) $(DIST_SUITE) \
+		$(if $(filter 2.14.%,$(TORCH_VERSION)),--gated gloo tests/torch_backend/dist_suite_as_gloo_torch2.14.txt)
 
 # Multi-node tests on simulated clusters (ci/cluster.sh: a network namespace per node, tbf-shaped veth links; needs
 # root or user namespaces, else it says why and skips): 2 nodes x 2 ranks and 4 x 1.

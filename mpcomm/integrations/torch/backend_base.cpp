@@ -184,6 +184,23 @@ class PyBackendBase : public BackendBase {
     }
     Backend::monitoredBarrier(opts, wait_all_ranks);
   }
+  void setSequenceNumberForGroup() override {
+    py::gil_scoped_acquire gil;
+    if (py::function override =
+            py::get_override(static_cast<const BackendBase*>(this), "_set_sequence_number_for_group")) {
+      override();
+      return;
+    }
+    Backend::setSequenceNumberForGroup();
+  }
+  uint64_t getSequenceNumberForGroup() override {
+    py::gil_scoped_acquire gil;
+    if (py::function override =
+            py::get_override(static_cast<const BackendBase*>(this), "_get_sequence_number_for_group")) {
+      return override().cast<uint64_t>();
+    }
+    return Backend::getSequenceNumberForGroup();
+  }
   const std::string getBackendName() const override {
     PYBIND11_OVERRIDE(std::string, BackendBase, getBackendName);
   }

@@ -50,12 +50,20 @@ class BackendMpcomm(backend_base()):
         self._owned = owned  # the MPI communicator made for this group, freed at shutdown
         self._coalescing: list | None = None  # p2p Works between start_coalescing and end_coalescing
         self._monitor_calls = 0
+        self._sequence = 0  # collectives issued on this group (torch's sequence number; gloo counts the same)
         self._pages = HugePages()  # large tensors reduced again and again: onto 2 MiB pages (pages.py)
         self._native = self._native_allreduce()
         self._native_plan, self._native_run = self._native.functions() if self._native is not None else (None, None)
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    def _set_sequence_number_for_group(self) -> None:
+        self._sequence = 0
+
+    def _get_sequence_number_for_group(self) -> int:
+        """The number of collectives issued on this group so far (the same on every rank)."""
+        return self._sequence
 
     def __repr__(self) -> str:
         size = self.comm.size if self.comm is not None else "-"
@@ -65,6 +73,7 @@ class BackendMpcomm(backend_base()):
     def _issue(self, operation: str, body: Callable[[], None], result, opts) -> dist.Work:
         """Run ``body`` in issue order: inline when torch waits at once (``opts.asyncOp`` false) and nothing is
         pending, else queued for the lane's worker. A synchronous call raises its error itself."""
+        self._sequence += 1
         synchronous = opts is not None and not opts.asyncOp
         if synchronous and self._lane.enter():
             self._run_here(operation, body)
@@ -120,6 +129,7 @@ class BackendMpcomm(backend_base()):
                 if plan.nbytes >= HUGE_PAGES_FROM:
                     self._pages.reused(tensors[0])
                 comm = self.comm
+                self._sequence += 1
                 self._run_here("allreduce", comm._run, comm._sync, plan, tensors[0], plan.rop)
                 return None
         if not opts.asyncOp and len(tensors) == 1 and self._allreduce_now(tensors, opts):
@@ -153,6 +163,7 @@ class BackendMpcomm(backend_base()):
             return False
         if array.nbytes >= HUGE_PAGES_FROM:
             self._pages.reused(tensor)
+        self._sequence += 1
         self._run_here("allreduce", self.comm.allreduce, array, red.name, self.algorithm)
         return True
 
@@ -527,6 +538,7 @@ class BackendMpcomm(backend_base()):
         seconds = opts.timeout.total_seconds()
         if seconds <= 0:
             return self._issue("barrier", self.comm.barrier, [], opts)
+        self._sequence += 1
         job = Job(self.comm.barrier, [], "barrier")
         self._lane.submit(job)
         work = queued_work(self._lane, job)
