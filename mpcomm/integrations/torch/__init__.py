@@ -8,8 +8,8 @@ Usage, under ``mpiexec -n P python train.py`` (rank and world size come from MPI
 
 Importing this package registers the backend (``Backend.register_backend``, extended API, device ``cpu``: so
 ``"mpcomm"``, ``"cpu:mpcomm"`` and ``"cpu:mpcomm,cuda:nccl"`` all work, and torch binds it to the CPU device as it
-does gloo) and a rendezvous scheme ``mpcomm://`` that takes rank and size from ``MPI.COMM_WORLD`` and gives torch an in-process
-``HashStore`` (the backend never uses the store). With neither ``store`` nor ``init_method``, PyTorch always
+does gloo) and a rendezvous scheme ``mpcomm://`` that takes rank and size from ``MPI.COMM_WORLD`` and gives torch
+an in-process ``HashStore`` (the backend never uses the store). With neither ``store`` nor ``init_method``, PyTorch always
 rendezvouses through ``env://``, which reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; so that a bare
 ``dist.init_process_group("mpcomm")`` works under ``mpiexec`` too, the import fills in those that are unset
 (:func:`set_env_rendezvous_defaults`: rank and size from MPI, rank 0's address and a free port broadcast over
