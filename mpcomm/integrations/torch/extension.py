@@ -11,8 +11,8 @@
 Each is built into ``<sys.prefix>/mpcomm-torch-extension/<name>`` (the environment's own: another environment's
 build, or a build killed there, cannot get in the way), or where torch caches extensions (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``) if that is not writable; ~30 s the first time, the ranks of a job waiting on
-torch's lock for one build (a lock left by a build that was killed is removed once it is 10 minutes old: torch
-itself would wait on it forever).
+torch's lock for one build (on torch 2.13 a lock file left by a build that was killed is removed once it is 10
+minutes old: torch would wait on it forever; 2.14's lock is released by the kernel).
 
     python -m mpcomm.integrations.torch.extension    # build now (exit 1, with the reason, if it cannot)
 """
@@ -97,9 +97,19 @@ def build_directory(name: str) -> str | None:
     return path if os.access(path, os.W_OK) else None
 
 
+def lock_file_blocks() -> bool:
+    """Whether torch's extension builder waits while its lock file exists (``FileBaton``, torch 2.13); torch 2.14
+    holds an OS lock on the file instead (the kernel drops it when the holder dies), and leaves the file."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    return hasattr(cpp_extension, "FileBaton")
+
+
 def _clear_stale_lock(directory: str | None, older_than: float = STALE_LOCK_SECONDS) -> None:
-    """Remove torch's build lock if a build that took it died (a build takes ~30 s; torch would wait forever)."""
-    if directory is None:
+    """Remove torch's build lock if a build that took it died (a build takes ~30 s; torch would wait forever).
+    Only where the file's existence is the lock: removing a file another process holds an OS lock on would let a
+    second build start beside it."""
+    if directory is None or not lock_file_blocks():
         return
     lock = os.path.join(directory, "lock")
     try:
