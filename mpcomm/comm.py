@@ -92,7 +92,7 @@ class Communicator:
         """The constructor's collective part, on ``base`` (mpcomm's duplicate); ``made`` collects the MPI
         communicators made, for the constructor to free if this fails."""
         agree(Transport(base, settings.timeout if settings else DEFAULT_TIMEOUT), settings, problem)
-        self._base = base  # only ever used by collectives that complete or fail the constructor / free()
+        self._base = base  # its collectives: those that complete or fail the constructor, split() and free()
         self.timeout, self.validate = settings.timeout, settings.validate
         self.ranks_per_node, self._progress = settings.ranks_per_node, settings.progress
         topology = created(lambda: node_topology(Transport(base, self.timeout), self.ranks_per_node),
@@ -106,8 +106,10 @@ class Communicator:
             return made[-1]
 
         self._sync = Transport(private(), self.timeout, self.ranks_per_node)
+        # The payloads reuse the duplicate: only point-to-point runs there besides the agreements, and MPI never
+        # matches a collective with a point-to-point message.
         self._p2p = p2p.Channels(envelopes=Transport(private(), self.timeout, on_timeout=p2p.ON_TIMEOUT),
-                                 payloads=Transport(private(), self.timeout, on_timeout=p2p.ON_TIMEOUT))
+                                 payloads=Transport(base, self.timeout, on_timeout=p2p.ON_TIMEOUT))
         # Made here, not on first use: Dup is collective, and starting a non-blocking collective must not block.
         self._async = Transport(private(), self.timeout, self.ranks_per_node)
         self._sync.progress_hook = self._async.progress_hook = self._p2p.progress  # (see mpcomm.p2p.Channels)
@@ -262,8 +264,7 @@ class Communicator:
         if anyone[0]:
             return False
         for transport in (self._sync, self._p2p, self._async, *self._protocols.values()):
-            transport.free()
-        self._base.Free()
+            transport.free()  # (the duplicate with the payloads' transport)
         if self._owned is not None:
             self._owned.Free()
         return True

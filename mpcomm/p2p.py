@@ -401,9 +401,9 @@ class RecvWork(Work):
                 drain = np.empty(nbytes, dtype=np.uint8)
                 self._channels.payloads.wait([self._channels.payloads.mpi.Irecv(drain, self.source, sequence)],
                                              (self.source,), operation=_Lazy(self._describe))
-            raise ValueError(f"{self._describe()}: the message from rank {self.source} (tag {self.tag}) holds "
-                             f"{_describe(sent, array.dtype)}; sizes and dtypes must match exactly (the message was "
-                             "taken and dropped, as MPI drops a truncated one)")
+            raise ValueError(f"{self._describe()}: the sender sent {_describe(sent, array.dtype)} (rank {self.source}, "
+                             f"tag {self.tag}); sizes and dtypes must match exactly (the message was taken and "
+                             "dropped, as MPI drops a truncated one)")
         self._target = array if array.flags.c_contiguous else array.copy()
         if sequence == _INLINE:
             if nbytes:

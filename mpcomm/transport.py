@@ -37,7 +37,7 @@ _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS = 8, 2
 # p = 2 took 1.48-1.54x the blocking all-reduce, 1.07-1.13x without (bench/results/progress_wait.md).
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
 _BYTES = MPI.BYTE
-COMMUNICATORS_HELD = 5  # MPI communicators each Communicator makes: its own duplicate and four for its traffic
+COMMUNICATORS_HELD = 4  # MPI communicators each Communicator makes (see Communicator.__init__)
 _LATE = ("no Communicator was made here; this rank's MPI_Comm_idup of the communicator stays pending and completes "
          "when those ranks make their Communicator too (every rank must, before its next collective on it)")
 

@@ -375,7 +375,7 @@ def test_recv_from_any_source_into_a_too_small_buffer_names_the_sender():
 
         outcomes = errors_of(run)
         name, message, _ = outcomes[0]
-        assert name == "ValueError" and "from rank 1" in message and "20 elements" in message, message
+        assert name == "ValueError" and "rank 1, tag 4" in message and "20 elements" in message, message
         assert all(o is None for o in outcomes[1:]), outcomes
     finally:
         c.free()
