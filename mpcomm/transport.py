@@ -375,11 +375,14 @@ def created(make: Callable[[], MPI.Comm], what: str, rank: int) -> MPI.Comm:
     try:
         return make()
     except MPI.Exception as exc:
-        raise MpcommError(
-            f"rank {rank}: {what}: the MPI library could not create a communicator ({_error_text(exc.Get_error_code())})"
-            f"; MPI allows each process a limited number of communicators (MPICH: 2048) and each Communicator holds "
-            f"{COMMUNICATORS_HELD} of them until free() (one more if split() made it): free() the Communicators you "
-            "no longer use") from None
+        raise _not_created(what, rank, _error_text(exc.Get_error_code())) from None
+
+
+def _not_created(what: str, rank: int, mpi_says: str) -> MpcommError:
+    return MpcommError(
+        f"rank {rank}: {what}: the MPI library could not create a communicator ({mpi_says}); MPI allows each process "
+        f"a limited number of communicators (MPICH: 2048) and each Communicator holds {COMMUNICATORS_HELD} of them "
+        "until free() (one more if split() made it): free() the Communicators you no longer use")
 
 
 def duplicate(mpi_comm: MPI.Comm, timeout: float) -> MPI.Comm:
@@ -390,8 +393,13 @@ def duplicate(mpi_comm: MPI.Comm, timeout: float) -> MPI.Comm:
     rank = mpi_comm.Get_rank()
     new, request = created(mpi_comm.Idup, "Communicator", rank)
     t = Transport(mpi_comm, timeout, on_timeout=_LATE)
-    with t.running("Communicator: duplicating the communicator (MPI_Comm_idup)"):
-        t.wait_one(request)
+    try:
+        with t.running("Communicator: duplicating the communicator (MPI_Comm_idup)"):
+            t.wait_one(request)
+    except CommTimeoutError:
+        raise
+    except MpcommError as exc:  # MPICH finds out that it has no context id left while the idup progresses
+        raise _not_created("Communicator", rank, str(exc).split(": ", 3)[-1]) from None
     return new
 
 
