@@ -92,15 +92,14 @@ LOCAL_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("case", list(LOCAL_ERRORS))
-def test_local_error_before_any_communication(short, case):
-    call, expected, fragments = LOCAL_ERRORS[case]
+def assert_lonely_error(c: Communicator, case: str, call, expected, fragments) -> None:
+    """Only rank LONELY makes the bad ``call`` on ``c``: it must raise ``expected`` mentioning ``fragments``."""
 
     def run():
-        if short.rank != LONELY:
+        if c.rank != LONELY:
             return None
         try:
-            call(short)
+            call(c)
         except Exception as exc:  # noqa: BLE001 - inspected below
             return type(exc).__name__, isinstance(exc, expected), str(exc)
         return "no error", False, ""
@@ -109,6 +108,11 @@ def test_local_error_before_any_communication(short, case):
     assert matched, f"{case}: expected {expected.__name__}, got {name}: {message}"
     missing = [f for f in fragments if f not in message]
     assert not missing, f"{case}: message {message!r} does not mention {missing}"
+
+
+@pytest.mark.parametrize("case", list(LOCAL_ERRORS))
+def test_local_error_before_any_communication(short, case):
+    assert_lonely_error(short, case, *LOCAL_ERRORS[case])
 
 
 # A bad root: raised before any communication too, but the Communicator becomes unusable on that rank (the others
@@ -125,19 +129,7 @@ def test_bad_root_is_raised_before_any_communication(case):
     c = Communicator(WORLD, timeout=5.0)
     try:
         call, expected, fragments = ROOT_ERRORS[case]
-
-        def run():
-            if c.rank != LONELY:
-                return None
-            try:
-                call(c)
-            except Exception as exc:  # noqa: BLE001 - inspected below
-                return type(exc).__name__, isinstance(exc, expected), str(exc)
-            return "no error", False, ""
-
-        name, matched, message = run_gathered(run)[LONELY]
-        assert matched, f"{case}: expected {expected.__name__}, got {name}: {message}"
-        assert all(f in message for f in fragments) and "unusable" in message, message
+        assert_lonely_error(c, case, call, expected, [*fragments, "unusable"])
     finally:
         c.free()
 
