@@ -38,6 +38,8 @@ BOOL = np.dtype(bool)
 DTYPES = INTS + FLOATS + COMPLEX + [BOOL]
 SIZES = [0, 1, 2, 3, 7, 13, 31, 97, 257, 1021, 4099, 16411]
 LARGE = [65537, 262147]  # drawn now and then: rendezvous messages and the large-message algorithms
+UNITS = [1, 31, 1021, 4099]  # all_to_all_v: elements per count of one sending rank
+WARM_INDEX = 10**9  # the input seeds of warm_every_path's calls (apart from the random calls')
 NONBLOCKING = ("allreduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather", "scatter",
                "all_to_all", "all_to_all_v")
 
@@ -107,7 +109,27 @@ class Soak:
         blocking = draw.random() >= 0.25 or operation not in NONBLOCKING
         # all_to_all_v: rank i sends counts[i, j] elements to j, in amounts that differ between the ranks by up to
         # 10^4 (MoE routing), so that one rank's bytes alone would often make auto choose differently
-        counts = draw.integers(0, 6, size=(comm.size, comm.size)) * draw.choice([1, 31, 1021, 4099], size=(comm.size, 1))
+        counts = draw.integers(0, 6, size=(comm.size, comm.size)) * draw.choice(UNITS, size=(comm.size, 1))
+        self.call(index, name, operation, algorithm, dtype, op, n, root, blocking, counts)
+
+    def warm_every_path(self) -> None:
+        """Every (communicator, operation, algorithm), blocking and not, once at the largest size of the draw: each
+        scratch buffer mpcomm keeps for reuse then has its final size, so the memory after this is what a job whose
+        shapes vary within these bounds holds for good."""
+        index = WARM_INDEX
+        for name, comm in self.comms.items():
+            for operation in sorted(REGISTRY):
+                reducing = operation in ("allreduce", "reduce_scatter", "reduce")
+                counts = np.full((comm.size, comm.size), 5 * max(UNITS))
+                for algorithm in sorted(REGISTRY[operation]) + ["auto"]:
+                    for blocking in (True, False) if operation in NONBLOCKING else (True,):
+                        self.call(index, name, operation, algorithm, np.dtype("complex128"), "sum" if reducing else None,
+                                  max(LARGE), 0, blocking, counts)
+                        index += 1
+
+    def call(self, index, name, operation, algorithm, dtype, op, n, root, blocking, counts) -> None:
+        """Run one call on every rank (each on its communicator ``name``), check it, count it."""
+        comm = self.comms[name]
         label = f"call {index}: {operation}[{algorithm}] {dtype} n={n} op={op} root={root} on {name} " \
                 f"({'blocking' if blocking else 'non-blocking'})"
         try:
@@ -207,16 +229,34 @@ def _reduce(inputs: list[np.ndarray], op: str, dtype: np.dtype) -> np.ndarray:
     return result if op == "avg" else result.astype(dtype)
 
 
-def watch() -> dict:
-    """This process's footprint now."""
-    return {"rss": rss_bytes(), "fds": open_fds(), "threads": threading.active_count()}
+def scratch_bytes(comms) -> int:
+    """The bytes of the scratch buffers mpcomm keeps for reuse (every transport of ``comms``, node parts too)."""
+    transports, total = [], 0
+    for c in comms:
+        transports += [c._sync, c._async, c._p2p.envelopes, c._p2p.payloads]
+    while transports:
+        t = transports.pop()
+        total += sum(buf.nbytes for buf in t._scratch.values())
+        transports += [sub for sub in (t._node, t._cross) if sub is not None]
+    return total
 
 
-def run(calls: int, seed: int, warmup: int, report_every: int = 0, out=None) -> dict:
-    """``calls`` random calls; the footprint after ``warmup`` calls and at the end; mpcomm's table sizes."""
+def run(calls: int, seed: int, warmup: int, report_every: int = 0, out=None, warm_paths: bool = False) -> dict:
+    """``calls`` random calls (after ``warm_every_path`` if ``warm_paths``); the footprint after ``warmup`` calls
+    and at the end; mpcomm's table sizes and scratch bytes."""
     soak = Soak(seed)
     start, after_warmup, peak_rss, samples = time.perf_counter(), None, 0, []
+
+    def watch() -> dict:
+        return {"rss": rss_bytes(), "fds": open_fds(), "threads": threading.active_count(),
+                "scratch": scratch_bytes(soak.comms.values()), "python_blocks": sys.getallocatedblocks()}
+
     try:
+        if warm_paths:
+            soak.warm_every_path()
+            if out is not None and WORLD.Get_rank() == 0:
+                print(f"every path warmed: {soak.calls} calls, {soak.wrong} wrong, {watch()}, "
+                      f"{time.perf_counter() - start:.0f} s", file=out, flush=True)
         for index in range(calls):
             soak.step(index)
             if index + 1 == warmup:
@@ -226,9 +266,10 @@ def run(calls: int, seed: int, warmup: int, report_every: int = 0, out=None) -> 
             if report_every and (index + 1) % report_every == 0:
                 samples.append({"calls": index + 1, **watch()})
                 if out is not None and WORLD.Get_rank() == 0:
-                    print(f"{index + 1} calls, {soak.wrong} wrong, rss {samples[-1]['rss'] / 2**20:.1f} MiB, "
-                          f"fds {samples[-1]['fds']}, threads {samples[-1]['threads']}, "
-                          f"{time.perf_counter() - start:.0f} s", file=out, flush=True)
+                    now = samples[-1]
+                    print(f"{index + 1} calls, {soak.wrong} wrong, rss {now['rss'] / 2**20:.1f} MiB, scratch "
+                          f"{now['scratch'] / 2**20:.1f} MiB, python blocks {now['python_blocks']}, fds {now['fds']}, "
+                          f"threads {now['threads']}, {time.perf_counter() - start:.0f} s", file=out, flush=True)
         end = watch()
         tables = {name: {"records": len(c._sync.records) + len(c._async.records), "plans": len(c._plans),
                          "choices": len(c.selector._decided)} for name, c in soak.comms.items()}
@@ -248,8 +289,11 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="rank 0 writes every rank's summary here")
     parser.add_argument("--rss-bound-mib", type=float, default=16.0,
                         help="fail if a rank's RSS grows more than this after the warm-up")
+    parser.add_argument("--no-warm-paths", dest="warm_paths", action="store_false",
+                        help="skip the warm-up of every path at the largest size (Soak.warm_every_path)")
     args = parser.parse_args()
-    summary = run(args.calls, args.seed, args.warmup or max(1, args.calls // 5), args.report_every, sys.stdout)
+    summary = run(args.calls, args.seed, args.warmup or max(1, args.calls // 5), args.report_every, sys.stdout,
+                  args.warm_paths)
     everyone = WORLD.gather(summary)
     if WORLD.Get_rank() == 0:
         for r, s in enumerate(everyone):
