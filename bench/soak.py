@@ -287,7 +287,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="calls before the footprint baseline (calls/5)")
     parser.add_argument("--report-every", type=int, default=1000)
     parser.add_argument("--json", default=None, help="rank 0 writes every rank's summary here")
-    parser.add_argument("--rss-bound-mib", type=float, default=16.0,
+    parser.add_argument("--rss-bound-mib", type=float, default=32.0,
                         help="fail if a rank's RSS grows more than this after the warm-up")
     parser.add_argument("--no-warm-paths", dest="warm_paths", action="store_false",
                         help="skip the warm-up of every path at the largest size (Soak.warm_every_path)")

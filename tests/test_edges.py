@@ -129,7 +129,8 @@ def test_the_constructor_leaves_nothing_on_the_users_communicator():
     communicator is the first thing a receive there sees after constructing, splitting and freeing."""
     user = WORLD.Dup()
     try:
-        user.Isend(np.array([7], dtype=np.int64), RANK, tag=3).Wait()
+        message = np.array([7], dtype=np.int64)
+        sending = user.Isend(message, RANK, tag=3)  # (to itself: completes once received below)
         c = Communicator(user, timeout=20.0)
         sub = c.split(RANK % 2)
         run_gathered(lambda: (sub.barrier(), sub.free(), c.free()))
@@ -137,6 +138,7 @@ def test_the_constructor_leaves_nothing_on_the_users_communicator():
         assert user.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status) and status.Get_tag() == 3
         got = np.zeros(1, dtype=np.int64)
         user.Recv(got, RANK, 3)
+        sending.Wait()
         assert got[0] == 7 and not user.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
         run_gathered(lambda: user.Barrier())
     finally:
