@@ -69,7 +69,7 @@ test-cluster: $(STAMP)
 # The long soak (bench/soak.py): SOAK_CALLS seeded random collectives at p = 2, 3, 4, each checked against numpy;
 # fails on a wrong result, on RSS growing more than SOAK_RSS_MIB after the first fifth, or on fds / threads changing.
 SOAK_CALLS ?= 20000
-SOAK_RSS_MIB ?= 32
+SOAK_RSS_MIB ?= 48
 soak: $(STAMP)
 	for n in 2 3 4; do \
 		timeout 3600 $(MPIEXEC) -n $$n $(PY) bench/soak.py --calls $(SOAK_CALLS) --rss-bound-mib $(SOAK_RSS_MIB) \
