@@ -23,7 +23,8 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import mpcomm.integrations.torch as mpt  # noqa: E402
-from torch_groups import backend_of, free_port, on_backend, pg  # noqa: E402,F401  (tests/torch_groups.py)
+from mpcomm.integrations.ports import free_port  # noqa: E402  (below the ephemeral range: no clash with gloo)
+from torch_groups import on_backend, pg  # noqa: E402,F401  (tests/torch_groups.py: pg is the fixture)
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = [pytest.mark.torch, pytest.mark.mpi]
