@@ -37,13 +37,13 @@ class Library:
     cost_model: tuple = ()  # (field, value) pairs of CostModel that differ on this library (its defaults: MPICH's)
 
 
-PROFILES = {
-    # Iallreduce as fast as Allreduce at every size; a persistent request saves ~0.8 us up to a few KiB, past
-    # which its two copies cost more than that
+PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
+    # Its Iallreduce keeps up with its Allreduce; a persistent request saves a schedule per call until the copies
+    # in and out cost more than that.
     "mpich": Library("mpich", persistent_upto=4096, blocking_above=None),
-    # libnbc's Iallreduce: 2x Allreduce at 8 B, 2-3x from 128 KiB; a persistent request builds its schedule once
-    # (1.3x at 8 B); from 16 KiB the meeting costs less than libnbc's schedule. native = Open MPI's blocking
-    # all-reduce there, which moves bytes faster than mpcomm's ring/rhd on one node (8 MiB: 1.0 vs 1.1 ms)
+    # libnbc builds a schedule per Iallreduce and runs behind the blocking collectives at every size: persistent
+    # requests while the copies are cheap, then the meeting, which costs less than libnbc's schedule. Its
+    # blocking all-reduce moves bytes faster than mpcomm's ring/rhd on one node, hence the scale below 1.
     "openmpi": Library("openmpi", persistent_upto=8192, blocking_above=8192, cost_model=(("native_byte_scale", 0.7),)),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).
