@@ -28,6 +28,7 @@ from ..tuning_table import check_table
 
 TABLE_FORMAT = "mpcomm-tuning/1"
 STEADY = ("ring", "ring_pipelined")  # algorithms whose every rank talks to the same two peers all call long
+MEMO_SIZE = 1024  # decisions remembered (Selector.choose): varying sizes must not grow memory
 STEADY_MARGIN = 0.05  # across nodes, a ring this close to the cheapest prediction is preferred (Selector.predict)
 
 
@@ -295,15 +296,17 @@ class Selector:
         return self.layout.size
 
     @classmethod
-    def default(cls, comm) -> "Selector":
+    def default(cls, comm, probe: bool | None = None) -> "Selector":
         """The model-based selector for a Communicator (collective: computes the node layout and, when the
-        ranks span several hosts, measures the network between them; env ``MPCOMM_NETWORK_PROBE=0`` skips
-        that and keeps the model's default network). The model's constants for ``native`` are the MPI
-        library's (``mpcomm.mpi_library``: the same library on every rank, so the same choices)."""
+        ranks span several hosts, measures the network between them; ``probe=False`` (the Communicator's agreed
+        setting from env ``MPCOMM_NETWORK_PROBE=0``; None: read it here) skips that and keeps the model's
+        default network). The model's constants for ``native`` are the MPI library's (``mpcomm.mpi_library``:
+        the same library on every rank, so the same choices)."""
         from . import REGISTRY
 
         layout, model, network = Layout.of(comm), replace(CostModel(), **dict(library().cost_model)), None
-        probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
+        if probe is None:
+            probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
         if layout.num_nodes > 1 and probe:
             network = topology.measure(comm._sync)  # None when the "nodes" are ranks_per_node blocks of one host
             if network is not None:
@@ -317,8 +320,8 @@ class Selector:
         name = self._decided.get(key)
         if name is None:
             name = self._measured(operation, nbytes, np.dtype(dtype)) or self.predict(operation, nbytes)
-            if len(self._decided) > 4096:  # a sweep over many sizes: keep the memo small
-                self._decided.clear()
+            if len(self._decided) >= MEMO_SIZE:  # a sweep over many sizes: the oldest decision goes
+                del self._decided[next(iter(self._decided))]
             self._decided[key] = name
         return name
 
