@@ -7,13 +7,9 @@ STAMP   := $(VENV)/.mpcomm-installed
 MPI_TIMEOUT ?= 900
 RANKS ?= 4
 
-<<<<<<< HEAD
-.PHONY: install run test test-serial test-mpi test-torch test-torch-version test-cluster bench soak clean
+.PHONY: install run test test-serial test-mpi test-torch test-torch-version test-cluster test-openmpi bench soak clean
 
 EXTRAS  ?= test,plot
-=======
-.PHONY: install run test test-serial test-mpi test-torch test-cluster test-openmpi bench soak clean
->>>>>>> main
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -135,8 +131,4 @@ test-openmpi: $(OMPI_STAMP)
 	done
 
 clean:
-<<<<<<< HEAD
-	rm -rf $(VENV) .venv-torch-* *.egg-info
-=======
-	rm -rf $(VENV) $(OMPI_VENV) *.egg-info
->>>>>>> main
+	rm -rf $(VENV) $(OMPI_VENV) .venv-torch-* *.egg-info
