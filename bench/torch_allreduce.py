@@ -80,7 +80,7 @@ def contenders(nbytes: int, gloo) -> dict:
     array = np.ones(count, dtype=np.float32)
     tensor = torch.ones(count, dtype=torch.float32)
     gloo_tensor = torch.ones(count, dtype=torch.float32)
-    comm = dist.group.WORLD.comm
+    comm = dist.group.WORLD._get_backend(torch.device("cpu")).comm  # the mpcomm Backend's Communicator
     return {
         "mpi4py": lambda: WORLD.Allreduce(MPI.IN_PLACE, array, MPI.SUM),
         "mpcomm": lambda: comm.allreduce(array),
