@@ -96,11 +96,12 @@ def dtype_name(dtype: np.dtype) -> str:
     return str(dtype)
 
 
-def wire_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype a reduction runs in: float16/bfloat16 accumulate in float32 (rounded once at the end),
-    bool runs as uint8 (min/max of 0/1 are and/or), everything else as itself."""
+def wire_dtype(dtype: np.dtype, widen: bool = True) -> np.dtype:
+    """The dtype a reduction runs in: float16/bfloat16 accumulate in float32 (rounded once at the end; with
+    ``widen=False`` the algorithm does that itself and gets them as they are), bool runs as uint8 (min/max of 0/1
+    are and/or), everything else as itself."""
     dtype = np.dtype(dtype)
-    if dtype in _LOW_PRECISION:
+    if dtype in _LOW_PRECISION and widen:
         return np.dtype(np.float32)
     if dtype == _BOOL:
         return np.dtype(np.uint8)

@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import p2p, staging
+from .algorithms import KEEP_LOW_PRECISION
 from .algorithms.auto import Selector
 from .algorithms.chunks import count_matrix
 from .buffers import (
@@ -556,8 +557,10 @@ class Communicator:
             check_dtype_op(array.dtype, None, operation)
         nbytes = array.nbytes * (self.size if operation in _PER_RANK_BLOCK else 1)  # stats: the whole buffer
         chosen = self._resolve(operation, algorithm, nbytes, array.dtype)
-        plan = Plan(operation, chosen, array, rop, root, nbytes, host=type(array) is np.ndarray,
-                    wire=wire_dtype(array.dtype) if rop is not None else array.dtype)
+        host = type(array) is np.ndarray
+        plan = Plan(operation, chosen, array, rop, root, nbytes, host=host,
+                    wire=wire_dtype(array.dtype, widen=not (host and chosen in KEEP_LOW_PRECISION))
+                    if rop is not None else array.dtype)
         if cacheable:
             if len(self._plans) > 4096:  # a sweep over many shapes: keep the cache small
                 self._plans.clear()
