@@ -21,7 +21,7 @@ _FLOATS = {np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.flo
 _INTS = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)}
 _COMPLEX = {np.dtype(np.complex64), np.dtype(np.complex128)}
 _BOOL = np.dtype(np.bool_)
-_LOW_PRECISION = {np.dtype(np.float16), BFLOAT16}
+LOW_PRECISION = frozenset({np.dtype(np.float16), BFLOAT16})
 
 SUPPORTED_DTYPES = tuple(sorted(_FLOATS | _INTS | _COMPLEX | {_BOOL}, key=str))
 
@@ -101,7 +101,7 @@ def wire_dtype(dtype: np.dtype, widen: bool = True) -> np.dtype:
     ``widen=False`` the algorithm does that itself and gets them as they are), bool runs as uint8 (min/max of 0/1
     are and/or), everything else as itself."""
     dtype = np.dtype(dtype)
-    if dtype in _LOW_PRECISION and widen:
+    if dtype in LOW_PRECISION and widen:
         return np.dtype(np.float32)
     if dtype == _BOOL:
         return np.dtype(np.uint8)
