@@ -216,5 +216,5 @@ class WorkArray:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None and self.copied:
-            self.array[...] = self.work.reshape(self.array.shape).astype(self.array.dtype, copy=False)
+            self.array[...] = self.work.reshape(self.array.shape)  # (casts in the one copy: no temporary)
         return False
