@@ -1,9 +1,10 @@
 """Every (dtype, op) of an ``mpcomm-bench --dtype all --redop all`` sweep (rows JSON), against the best fixed
 algorithm and against float32 ``sum``.
 
-    python bench/dtype_op_sweep.py bench/results/dtype_op_p2.json [...]
+    python bench/dtype_op_sweep.py bench/results/dtype_op_p2.json bench/results/dtype_op_p2_64M.json
 
-Prints, per file, two markdown tables with one row per (dtype, op) and one column per size:
+Prints, for the rows of all the files together (one communicator size: e.g. one sweep's sizes and another's), two
+markdown tables with one row per (dtype, op) and one column per size:
 * ``auto / best``: auto's time over the fastest fixed mpcomm algorithm's at that point (issue 27 target: <= 1.10),
   with the algorithm auto chose when it was not that one;
 * ``per byte vs float32 sum``: the time of the best algorithm of this (dtype, op) over the best of float32 ``sum``
@@ -19,14 +20,14 @@ import json
 RAW = "mpi4py-raw"  # the MPI call straight from mpi4py: a baseline, not an mpcomm algorithm
 
 
-def load(path: str) -> dict[tuple[str, str, int], dict[str, dict]]:
-    """(dtype, redop, size) -> algorithm -> row."""
-    with open(path) as f:
-        rows = json.load(f)
-    rows = rows["rows"] if isinstance(rows, dict) else rows
+def load(paths: list[str]) -> dict[tuple[str, str, int], dict[str, dict]]:
+    """(dtype, redop, size) -> algorithm -> row, over all ``paths``."""
     points: dict[tuple[str, str, int], dict[str, dict]] = {}
-    for row in rows:
-        points.setdefault((row["dtype"], row["redop"], row["size"]), {})[row["algorithm"]] = row
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)
+        for row in rows["rows"] if isinstance(rows, dict) else rows:
+            points.setdefault((row["dtype"], row["redop"], row["size"]), {})[row["algorithm"]] = row
     return points
 
 
@@ -34,8 +35,8 @@ def best(algorithms: dict[str, dict]) -> dict:
     return min((r for name, r in algorithms.items() if name not in ("auto", RAW)), key=lambda r: r["time_us"])
 
 
-def tables(path: str) -> str:
-    points = load(path)
+def tables(paths: list[str]) -> str:
+    points = load(paths)
     sizes = sorted({size for _, _, size in points})
     pairs = list(dict.fromkeys((dtype, redop) for dtype, redop, _ in points))
     head = "| dtype | op | " + " | ".join(_human(s) for s in sizes) + " | worst |"
@@ -64,7 +65,7 @@ def tables(path: str) -> str:
         values = [v for v in per_byte if v is not None]
         byte_lines.append(f"| {dtype} | {redop} | " + " | ".join("-" if v is None else f"{v:.2f}" for v in per_byte)
                           + f" | **{max(values, default=float('nan')):.2f}** |")
-    return "\n".join([f"### {path}", "", "auto / best fixed (auto's choice; the best, where they differ):", "",
+    return "\n".join([f"### {', '.join(paths)}", "", "auto / best fixed (auto's choice; the best, where they differ):", "",
                       *auto_lines, "", f"worst auto / best: **{worst_auto:.2f}**", "",
                       "best time of this (dtype, op) / best time of float32 sum, same bytes:", "", *byte_lines, ""])
 
@@ -80,7 +81,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+", help="mpcomm-bench --json files")
     args = parser.parse_args(argv)
-    print("\n".join(tables(path) for path in args.files))
+    print(tables(args.files))
 
 
 if __name__ == "__main__":
