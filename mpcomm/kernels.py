@@ -119,6 +119,15 @@ def _cpu_flags() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the kernels
+def _address(array) -> int:
+    """Where a host array's data starts (through the buffer protocol: a tenth of ``array.ctypes.data``'s cost,
+    which shows on small messages; that for read-only or empty arrays, which it refuses)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError):
+        return array.ctypes.data
+
+
 def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | str | None = LOADED) -> None:
     """``out`` <- ``chunks[0] op chunks[1] op ...`` in that order, finished (avg: divided); float16/bfloat16 in
     float32, rounded once. ``out`` may be ``chunks[0]`` (host arrays; any dtype; chunks of ``out``'s size)."""
@@ -128,8 +137,8 @@ def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | str | None
     if kernels is LOADED:
         kernels = load() if kind is not None and type(out) is np.ndarray else None
     if kind is not None and kernels is not None:
-        pointers = (ctypes.c_void_p * len(chunks))(*(c.ctypes.data for c in chunks))
-        kernels.reduce16(kind, _OPS[op.name], pointers, len(chunks), out.size, float(op.divisor), out.ctypes.data)
+        pointers = (ctypes.c_void_p * len(chunks))(*map(_address, chunks))
+        kernels.reduce16(kind, _OPS[op.name], pointers, len(chunks), out.size, float(op.divisor), _address(out))
         return
     if kind is not None:  # numpy: float32 in between
         wide = chunks[0].astype(np.float32)
@@ -151,7 +160,7 @@ def to_keys(floats, op: str, kernels: Kernels | str | None = LOADED):
     bits = floats.view(KEY_DTYPES[floats.dtype])
     kernels = load() if kernels is LOADED else kernels
     if kernels is not None:
-        kernels.keys[bits.dtype](bits.ctypes.data, bits.size, _OPS[op])
+        kernels.keys[bits.dtype](_address(bits), bits.size, _OPS[op])
         return bits
     magnitude = np.iinfo(bits.dtype).max  # every bit but the sign
     nans = np.isnan(floats)
@@ -164,7 +173,7 @@ def from_keys(bits, kernels: Kernels | str | None = LOADED) -> None:
     """In place: undo :func:`to_keys`; every NaN becomes numpy's ``nan`` (the same bits on every rank)."""
     kernels = load() if kernels is LOADED else kernels
     if kernels is not None:
-        kernels.unkeys[bits.dtype](bits.ctypes.data, bits.size)
+        kernels.unkeys[bits.dtype](_address(bits), bits.size)
         return
     bits ^= (bits >> (8 * bits.itemsize - 1)) & np.iinfo(bits.dtype).max
     floats = bits.view({4: np.float32, 8: np.float64}[bits.itemsize])
