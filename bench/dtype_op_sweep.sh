@@ -6,6 +6,7 @@
 #
 #   flock /tmp/bench.lock bench/dtype_op_sweep.sh              # the timed sweep (alone on the machine)
 #   OUT=/tmp/d MAXBYTES=1K BIG= RANKS="2" bench/dtype_op_sweep.sh  # a toy run that only checks that it works
+#   RANKS=4 STEP=16 BIG_DTYPES=float16,bfloat16,float32,float64 ... # coarser sizes, 64 MiB for the floats only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -14,8 +15,10 @@ PYTHON=${PYTHON:-python}
 MAXBYTES=${MAXBYTES:-16M}
 BIG=${BIG-64M}
 RANKS=${RANKS:-2 4}
+STEP=${STEP:-8}
+BIG_DTYPES=${BIG_DTYPES:-all}
 mkdir -p "$OUT"
-COMMON=(--op allreduce -w 2 -n 100 --budget 0.15 --rounds 3 --dtype all --redop all --check)
+COMMON=(--op allreduce -w 2 -n 100 --budget 0.15 --rounds 3 --redop all --check)
 
 load_before=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 commands=()
@@ -27,8 +30,8 @@ run() {  # run NAME P [range flags...]
   timeout 3000 "${cmd[@]}" > "$OUT/$name.txt"
 }
 for p in $RANKS; do
-  run "dtype_op_p$p" "$p" -b 8 -e "$MAXBYTES" -f 8
-  [ -n "$BIG" ] && run "dtype_op_p${p}_$BIG" "$p" -b "$BIG" -e "$BIG"
+  run "dtype_op_p$p" "$p" --dtype all -b 8 -e "$MAXBYTES" -f "$STEP"
+  [ -n "$BIG" ] && run "dtype_op_p${p}_$BIG" "$p" --dtype "$BIG_DTYPES" -b "$BIG" -e "$BIG"
 done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
 
