@@ -116,6 +116,10 @@ class CostModel:
     widen_bytes: tuple = (("float16", 2.0e-9), ("bfloat16", 0.45e-9))
     pass_byte: float = 40e-12
     kernel16_byte: float = 65e-12
+    # MPICH reduces 1- and 2-byte integers (and bool, as uint8) at about half its per-byte rate for 4- and 8-byte
+    # ones, where numpy's loops do not slow down: native's per-byte cost, for each such item size (p = 2 sweep,
+    # 256 KiB-2 MiB: int8 1.6-2.0x int32's native time, int16 1.3-2.0x; bench/results/dtype_op.md).
+    native_narrow_int_scale: tuple = ((1, 2.0), (2, 1.6))
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
 
     def with_network(self, network: "topology.NetworkMeasurement") -> "CostModel":
@@ -253,8 +257,11 @@ class CostModel:
         if dtype is None:
             return self.collective(operation, algorithm, nbytes, layout)
         wire = self.wire_bytes(algorithm, nbytes, dtype, op)
-        return self.collective(operation, algorithm, wire, layout) + self.passes(operation, algorithm, nbytes,
-                                                                                  layout, dtype, op)
+        seconds = self.collective(operation, algorithm, wire, layout)
+        scale = dict(self.native_narrow_int_scale).get(dtype.itemsize, 1.0) if dtype.kind in "iub" else 1.0
+        if algorithm == "native" and op is not None and scale != 1.0:
+            seconds += (scale - 1.0) * (seconds - self.collective(operation, algorithm, 0, layout))
+        return seconds + self.passes(operation, algorithm, nbytes, layout, dtype, op)
 
     def half_allreduce(self, algorithm: str, n: float, layout: Layout) -> float:
         """A reduce-scatter or all-gather across nodes: one half of the all-reduce of the same scheme (ring's and
