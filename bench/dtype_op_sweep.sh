@@ -44,12 +44,7 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?")
   echo "Machine: $(nproc) cores ($(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)), $(uname -sr)."
   echo "Load average (1/5/15 min) before: $load_before, after: $load_after (a load above the core count means other"
   echo "jobs shared the cores: times are inflated and scattered, small sizes most). p = 4 oversubscribes the 2 cores."
-  echo
-  echo "Commands:"
-  echo
-  echo '```'
-  printf '%s\n' "${commands[@]}"
-  echo '```'
+  printf '\nCommands:\n\n```\n%s\n```\n' "$(printf '%s\n' "${commands[@]}")"
   for p in $RANKS; do
     echo
     echo "## p = $p"
