@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.mpcomm-installed
 MPI_TIMEOUT ?= 900
 RANKS ?= 4
 
-.PHONY: install run test test-serial test-mpi test-torch test-cluster bench clean
+.PHONY: install run test test-serial test-mpi test-torch test-cluster bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -65,6 +65,16 @@ test-torch: $(STAMP)
 # root or user namespaces, else it says why and skips): 2 nodes x 2 ranks and 4 x 1.
 test-cluster: $(STAMP)
 	timeout 1200 tests/cluster/run.sh
+
+# The long soak (bench/soak.py): SOAK_CALLS seeded random collectives at p = 2, 3, 4, each checked against numpy;
+# fails on a wrong result, on RSS growing more than SOAK_RSS_MIB after the first fifth, or on fds / threads changing.
+SOAK_CALLS ?= 20000
+SOAK_RSS_MIB ?= 48
+soak: $(STAMP)
+	for n in 2 3 4; do \
+		timeout 3600 $(MPIEXEC) -n $$n $(PY) bench/soak.py --calls $(SOAK_CALLS) --rss-bound-mib $(SOAK_RSS_MIB) \
+			--json bench/results/soak_p$$n.json || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -78,6 +78,7 @@ def check_dtype_op(dtype: np.dtype, op: str | None, operation: str) -> None:
     """Raise TypeError, before any communication, for a dtype/op pair the contract does not support
     (``op=None``: data movement only, e.g. broadcast / all_gather, where only the dtype is checked)."""
     dtype = np.dtype(dtype)
+    check_plain(dtype, operation)
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{operation}: unsupported dtype {dtype}; supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
     if op is None:
@@ -88,6 +89,15 @@ def check_dtype_op(dtype: np.dtype, op: str | None, operation: str) -> None:
         raise TypeError(f"{operation}: bool supports only 'min' and 'max', got {op!r}")
     if dtype in _COMPLEX and op in (MIN, MAX):
         raise TypeError(f"{operation}: complex dtype {dtype} supports 'sum', 'prod' and 'avg', not {op!r}")
+
+
+def check_plain(dtype: np.dtype, operation: str) -> None:
+    """TypeError for a dtype holding Python objects (object, or a structured dtype with an object field): its
+    bytes are addresses in this process, garbage (and a crash when used) anywhere else. Every entry point that
+    sends or receives checks it, before any communication."""
+    if dtype.hasobject:
+        raise TypeError(f"{operation}: unsupported dtype {dtype}: its elements are Python objects, whose bytes are "
+                        "addresses in this process and mean nothing in another; use a numeric dtype")
 
 
 @functools.cache

@@ -37,17 +37,19 @@ from .buffers import (
     same_device,
     wire_dtype,
 )
-from .errors import CollectiveMismatchError, ConfigError, MpcommError
+from .errors import CollectiveMismatchError, CommTimeoutError, ConfigError, MpcommError
 from .p2p import ANY_SOURCE, Status
 from .plan import Plan
-from .settings import Settings, agree
-from .transport import Transport, node_topology
+from .settings import DEFAULT_TIMEOUT, Settings, agree
+from .transport import Transport, created, duplicate, node_topology
 from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
 
 _clock = time.perf_counter  # (a module-level name: one lookup less on every call)
 _BARRIER = Plan.barrier()
 _SPLIT = Plan.meeting("split")
 _PROTOCOL = Plan.meeting("protocol channel")
+_SIZE_FOR_AUTO = Plan.sum_of_int64("all_to_all_v: the ranks agree on the bytes auto decides from")
+PLAN_CACHE_SIZE = 1024  # plans kept (one per dtype, shape, op, algorithm and root)
 FREE_AGREEMENT_SECONDS = 10.0  # at most this long free() waits for the other ranks (see Communicator.free)
 
 
@@ -68,23 +70,49 @@ class Communicator:
             raise TypeError(f"Communicator: expected an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {mpi!r}")
         self.mpi: MPI.Comm = mpi
         self.rank, self.size = mpi.Get_rank(), mpi.Get_size()
-        # Settings first, agreed with a deadline: one rank's bad value is an error on every rank, not a hang.
+        self._owned: MPI.Comm | None = None  # the wrapped communicator, when this object made it (split) and frees it
         try:
             settings, problem = Settings.resolve(timeout, validate, ranks_per_node), None
         except ConfigError as exc:
             settings, problem = None, str(exc)
-        agree(Transport(mpi, settings.timeout if settings else Settings.timeout), settings, problem)
+        # The one thing mpcomm starts on the user's communicator is its own duplicate (MPI_Comm_idup, with the
+        # deadline): all else, the settings' agreement first, runs on communicators it made, so a late or absent
+        # rank can never leave a message or a half-done collective where the user's own calls would match it.
+        base = duplicate(mpi, settings.timeout if settings else DEFAULT_TIMEOUT)
+        made = [base]
+        try:
+            self._build(base, settings, problem, made)
+        except CommTimeoutError:
+            raise  # something may be in flight on them: left allocated (see free())
+        except MpcommError:  # the settings refused, or MPI out of communicators: they are idle, give them back
+            for mpi_comm in made:
+                mpi_comm.Free()
+            raise
+
+    def _build(self, base: MPI.Comm, settings: Settings | None, problem: str | None, made: list) -> None:
+        """The constructor's collective part, on ``base`` (mpcomm's duplicate); ``made`` collects the MPI
+        communicators made, for the constructor to free if this fails."""
+        agree(Transport(base, settings.timeout if settings else DEFAULT_TIMEOUT), settings, problem)
+        self._base = base  # its collectives: those that complete or fail the constructor, split() and free()
         self.timeout, self.validate = settings.timeout, settings.validate
         self.ranks_per_node, self._progress = settings.ranks_per_node, settings.progress
-        topology = node_topology(Transport(mpi, self.timeout), self.ranks_per_node)
+        topology = created(lambda: node_topology(Transport(base, self.timeout), self.ranks_per_node),
+                           "Communicator", self.rank)
         self.node_rank, self.node_size = topology.node_rank, topology.node_size
         self.num_nodes, self.node_sizes = len(topology.node_sizes), topology.node_sizes
         self.ranks_per_core = topology.ranks_per_core  # > 1: ranks share cores (the auto model accounts for it)
-        self._sync = Transport(mpi.Dup(), self.timeout, self.ranks_per_node)
-        self._p2p = p2p.Channels(envelopes=Transport(mpi.Dup(), self.timeout, on_timeout=p2p.ON_TIMEOUT),
-                                 payloads=Transport(mpi.Dup(), self.timeout, on_timeout=p2p.ON_TIMEOUT))
+
+        def private() -> MPI.Comm:
+            made.append(created(base.Dup, "Communicator", self.rank))
+            return made[-1]
+
+        self._sync = Transport(private(), self.timeout, self.ranks_per_node)
+        # The payloads reuse the duplicate: only point-to-point runs there besides the agreements, and MPI never
+        # matches a collective with a point-to-point message.
+        self._p2p = p2p.Channels(envelopes=Transport(private(), self.timeout, on_timeout=p2p.ON_TIMEOUT),
+                                 payloads=Transport(base, self.timeout, on_timeout=p2p.ON_TIMEOUT))
         # Made here, not on first use: Dup is collective, and starting a non-blocking collective must not block.
-        self._async = Transport(mpi.Dup(), self.timeout, self.ranks_per_node)
+        self._async = Transport(private(), self.timeout, self.ranks_per_node)
         self._sync.progress_hook = self._async.progress_hook = self._p2p.progress  # (see mpcomm.p2p.Channels)
         if self.ranks_per_core > 1:  # (collectives only: a receive yielding sooner lost its core to ranks that
             for t in (self._sync, self._async):  # spin elsewhere: p = 4 ping-pong 12.6 -> 50 us on 2 cores)
@@ -95,7 +123,7 @@ class Communicator:
         self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
         self._plans: dict = {}
         self._plans_generation = 0  # counts the times auto's choices changed (a table loaded): plans made again
-        self.selector = Selector.default(self)
+        self.selector = Selector.default(self, probe=settings.network_probe)
         if settings.tuning_file:
             self.load_tuning(settings.tuning_file, missing_ok=True)
 
@@ -103,13 +131,24 @@ class Communicator:
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, node {self.node_rank}/{self.node_size})"
 
-    def split(self, color: int, key: int | None = None) -> "Communicator":
-        """A Communicator over ``MPI.Comm.Split(color, key)``, with this one's settings. Collective; the ranks
-        first meet with the deadline (MPI_Comm_split has no non-blocking form), so a rank that never comes is a
-        CommTimeoutError, not a hang inside the split."""
+    def split(self, color: int, key: int | None = None) -> "Communicator | None":
+        """A Communicator over ``MPI.Comm.Split(color, key)``, with this one's settings, or None on a rank whose
+        ``color`` is ``MPI.UNDEFINED`` (it joins no group). Collective; the ranks first meet with the deadline
+        (MPI_Comm_split has no non-blocking form), so a rank that never comes is a CommTimeoutError, not a hang
+        inside the split. Its ``free()`` frees the MPI communicator made here too."""
+        _check_split(color, key)
         self._run(self._sync, _SPLIT)
-        sub = self.mpi.Split(color, self.rank if key is None else key)
-        return Communicator(sub, timeout=self.timeout, validate=self.validate, ranks_per_node=self.ranks_per_node)
+        sub = created(lambda: self._base.Split(color, self.rank if key is None else key), "split", self.rank)
+        if sub == MPI.COMM_NULL:
+            return None
+        try:
+            made = Communicator(sub, timeout=self.timeout, validate=self.validate, ranks_per_node=self.ranks_per_node)
+        except MpcommError as exc:
+            if not isinstance(exc, CommTimeoutError):
+                sub.Free()
+            raise
+        made._owned = sub
+        return made
 
     def barrier(self) -> None:
         """Block until every rank has arrived (bounded by the timeout; validated like every collective)."""
@@ -119,11 +158,10 @@ class Communicator:
         """Measured totals: ``{operation: {algorithm: {"calls", "bytes", "seconds"}}}``."""
         out: dict[str, dict[str, dict[str, float]]] = {}
         for t in (self._sync, self._async):
-            for plan, (calls, seconds) in list(t.records.items()):
-                operation, algorithm = plan.key
+            for (operation, algorithm), (calls, nbytes, seconds) in list(t.records.items()):
                 record = out.setdefault(operation, {}).setdefault(algorithm, {"calls": 0, "bytes": 0, "seconds": 0.0})
                 record["calls"] += calls
-                record["bytes"] += calls * plan.nbytes
+                record["bytes"] += nbytes
                 record["seconds"] += seconds
         return out
 
@@ -204,7 +242,7 @@ class Communicator:
 
         If a collective stopped midway or a message timed out on any rank, messages may still be in flight on
         them, and MPI gives a freed communicator's context to the next one created, which could then match
-        them. So the ranks first agree (over the wrapped communicator, within the timeout, at most
+        them. So the ranks first agree (over mpcomm's own duplicate, within the timeout, at most
         ``FREE_AGREEMENT_SECONDS``) that none of them saw a failure; otherwise — or if a rank does not come —
         the MPI communicators are left allocated. ``failed=True`` adds a failure this rank saw that the
         Communicator could not (e.g. a protocol built on its point-to-point that gave up waiting).
@@ -218,16 +256,18 @@ class Communicator:
         failed_here = failed or self._unusable is not None or any(t.failed for t in transports)
         self._unusable = _FREED
         mine, anyone = np.array([int(failed_here)], dtype=np.int8), np.ones(1, dtype=np.int8)
-        agreement = Transport(self.mpi, min(self.timeout, FREE_AGREEMENT_SECONDS))
+        agreement = Transport(self._base, min(self.timeout, FREE_AGREEMENT_SECONDS))
         try:
             with agreement.running("free"):
-                agreement.wait([self.mpi.Iallreduce(mine, anyone, MPI.MAX)], agreement.others)
+                agreement.wait([self._base.Iallreduce(mine, anyone, MPI.MAX)], agreement.others)
         except (MpcommError, MPI.Exception):
             return False  # a rank that did not come may be one that saw a failure
         if anyone[0]:
             return False
         for transport in (self._sync, self._p2p, self._async, *self._protocols.values()):
-            transport.free()
+            transport.free()  # (the duplicate with the payloads' transport)
+        if self._owned is not None:
+            self._owned.Free()
         return True
 
     # ------------------------------------------------------------------ collectives
@@ -354,7 +394,7 @@ class Communicator:
         t = self._protocols.get(name)
         if t is None:
             self._run(self._sync, _PROTOCOL)
-            t = Transport(self.mpi.Dup(), self.timeout, on_timeout=p2p.ON_TIMEOUT)
+            t = Transport(created(self._base.Dup, name, self.rank), self.timeout, on_timeout=p2p.ON_TIMEOUT)
             t.operation = name
             t.progress_hook = self._p2p.progress
             self._protocols[name] = t
@@ -458,6 +498,8 @@ class Communicator:
         if send_counts[self.rank] != recv_counts[self.rank]:
             raise ValueError(f"all_to_all_v: rank {self.rank} sends itself {send_counts[self.rank]} elements but "
                              f"expects {recv_counts[self.rank]}")
+        if algorithm == "auto":
+            algorithm = self._agreed_choice(t, "all_to_all_v", send.nbytes, send.dtype)
         plan = self._plan("all_to_all_v", send, None, algorithm)
         with WorkArray(recv, recv.dtype) as out:
             self._run(t, plan, self._input(send, send.dtype, out), send_counts, _displs(send_counts), out,
@@ -465,9 +507,10 @@ class Communicator:
         return recvbuf
 
     # ------------------------------------------------------------------ running a call
-    def _run(self, t: Transport, plan: Plan, *args, counts: tuple | None = None) -> None:
+    def _run(self, t: Transport, plan: Plan, *args, counts: tuple | None = None, record: bool = True) -> None:
         """Run ``plan`` on ``t``: refuse on an unusable communicator or a second thread, agree (validate=True),
-        time the algorithm, record it; a failure midway makes the communicator unusable."""
+        time the algorithm, record it in ``stats()`` (unless ``record`` is false); a failure midway makes the
+        communicator unusable."""
         if self._unusable is not None or not t.in_use.acquire(False):
             self._refuse(plan)
         try:
@@ -492,11 +535,14 @@ class Communicator:
             raise error from None
         finally:
             t.in_use.release()
-        record = t.records.get(plan)
-        if record is None:
-            record = t.records[plan] = [0, 0.0]
-        record[0] += 1
-        record[1] += elapsed
+        if not record:
+            return
+        totals = t.records.get(plan.key)  # per (operation, algorithm): bounded whatever the shapes
+        if totals is None:
+            totals = t.records[plan.key] = [0, 0, 0.0]
+        totals[0] += 1
+        totals[1] += plan.nbytes
+        totals[2] += elapsed
 
     def _refuse(self, plan: Plan) -> None:
         """Raise: the communicator is unusable, or another thread is running a collective on it."""
@@ -536,12 +582,19 @@ class Communicator:
             if problem:
                 raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: {problem}")
 
+    def _agreed_choice(self, t: Transport, operation: str, nbytes: int, dtype) -> str:
+        """auto's algorithm for a call whose bytes differ between ranks by nature (all_to_all_v): the one for the
+        ranks' mean bytes, agreed with one 8-byte all-reduce, so every rank runs the same algorithm."""
+        total = np.zeros(1, dtype=np.int64)
+        self._run(t, _SIZE_FOR_AUTO, np.array([nbytes], dtype=np.int64), total, record=False)
+        return self.selector.choose(operation, int(total[0]) // self.size, np.dtype(dtype))
+
     # ------------------------------------------------------------------ plans
     def _plan(self, operation: str, array, op, algorithm: str, root: int | None = None) -> Plan:
         """The cached plan for a call on ``array`` (its dtype and shape), or a new one after the local checks
         that do not depend on other ranks: dtype/op, algorithm name, root."""
-        if root is not None:  # before the cache: True == 1 and 0.0 == 0 as dict keys
-            self._check_rank(root, "root", operation)
+        if operation in _ROOTED:  # before the cache: True == 1 and 0.0 == 0 as dict keys
+            self._check_root(root, operation)
         cacheable = type(array) is np.ndarray and type(op) in (str, type(None)) and type(algorithm) is str
         key = (operation, array.dtype, array.shape, op, algorithm, root) if cacheable else None
         plan = self._plans.get(key) if cacheable else None
@@ -562,8 +615,8 @@ class Communicator:
                     wire=wire_dtype(array.dtype, widen=not (host and chosen in KEEP_LOW_PRECISION))
                     if rop is not None else array.dtype)
         if cacheable:
-            if len(self._plans) > 4096:  # a sweep over many shapes: keep the cache small
-                self._plans.clear()
+            if len(self._plans) >= PLAN_CACHE_SIZE:  # shapes that vary (MoE, dynamic batches): the oldest goes
+                del self._plans[next(iter(self._plans))]
             self._plans[key] = plan
         return plan
 
@@ -602,7 +655,7 @@ class Communicator:
             else:
                 self._inline = InlineProgress()
         if self._inline is not None:
-            return self._inline.submit(run, self._async)
+            return self._inline.submit(run, self._async, operation)
         return FutureWork(self._executor.submit(run, self._async), operation, self._others(), self.rank,
                           self._async.waiters)
 
@@ -650,6 +703,20 @@ class Communicator:
             raise ValueError(f"{operation}: {role} {rank!r} is not a rank of a communicator of size {self.size} "
                              f"(an int in 0..{self.size - 1})")
 
+    def _check_root(self, root, operation: str) -> None:
+        """ValueError for a root that is no rank. Without validate=True the other ranks may be running the
+        collective with their own root, and their messages to this rank would be taken for a later call's: so the
+        communicator becomes unusable here (the others' next collective with this rank times out naming it)."""
+        try:
+            self._check_rank(root, "root", operation)
+        except ValueError as exc:
+            if self.validate or self._unusable is not None:
+                raise  # validate=True: _rejected tells every rank at once, and nothing is left in flight
+            self._unusable = (f"{operation} was called with root {root!r} on this rank, and other ranks may have run it "
+                              "with another root, leaving messages for this rank that a later call would take")
+            raise ValueError(f"{exc}; this Communicator is now unusable on rank {self.rank} (with validate=True every "
+                             "rank raises at once instead)") from None
+
     def _check_pair(self, operation, send, recv, got, want, got_name, want_name) -> None:
         same_device(operation, send, recv)
         if send.dtype != recv.dtype:
@@ -686,10 +753,22 @@ class Communicator:
 
 
 _REDUCING = ("allreduce", "reduce_scatter", "reduce")
+_ROOTED = ("broadcast", "reduce", "gather", "scatter")
 _PER_RANK_BLOCK = ("reduce_scatter", "all_gather", "gather", "scatter")  # planned on the buffer of one rank's block
 _FREED = "it was freed (free() was called)"
 _STALE = ("; its messages may still be in flight, so later collectives could match them and return wrong data. "
           "Create a new Communicator.")
+
+
+def _check_split(color, key) -> None:
+    """ValueError unless ``color`` is an int >= 0 or ``MPI.UNDEFINED`` and ``key`` None or an int."""
+    def integral(value) -> bool:
+        return type(value) is int or isinstance(value, np.integer)
+
+    if not integral(color) or color < 0 and color != MPI.UNDEFINED:
+        raise ValueError(f"split: color {color!r} must be an int >= 0, or MPI.UNDEFINED to join no group")
+    if key is not None and not integral(key):
+        raise ValueError(f"split: key {key!r} must be an int (or None: this rank's rank)")
 
 
 def _check_counts(operation: str, name: str, counts, size: int, available: int, buffer: str) -> tuple[int, ...]:

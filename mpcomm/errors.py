@@ -18,7 +18,8 @@ class CommTimeoutError(MpcommError, TimeoutError):
 
     def __init__(self, operation: str, peers, elapsed: float, timeout: float, rank: int | None = None,
                  consequence: str = UNUSABLE):
-        self.operation, self.peers, self.elapsed, self.timeout, self.rank = str(operation), tuple(peers), elapsed, timeout, rank
+        self.operation, self.peers, self.elapsed, self.timeout, self.rank = (str(operation), tuple(dict.fromkeys(peers)),
+                                                                              elapsed, timeout, rank)
         self.consequence = consequence
         who = f"rank {rank}: " if rank is not None else ""
         super().__init__(

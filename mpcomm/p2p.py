@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import SUPPORTED_DTYPES, as_input, as_output
+from .buffers import SUPPORTED_DTYPES, as_input, as_output, check_plain
 from .errors import CommTimeoutError, MpcommError
 from .transport import Transport, _error_text, cancel
 from .work import Work, wait_timeout
@@ -165,7 +165,7 @@ def send(channels: Channels, buf, dst, tag, payload_transport) -> None:
             dst = check_peer(channels.size, dst, "destination", "send")
         if not (type(tag) is int and 0 <= tag <= _TAG_UB):
             tag = check_tag(tag, "send")
-        header = (_CODES.get(buf.dtype) or _code(buf.dtype), buf.nbytes, buf.size, _INLINE)
+        header = (_CODES.get(buf.dtype) or _code(buf.dtype, "send"), buf.nbytes, buf.size, _INLINE)
         request = channels.envelopes.mpi.Isend(_HEADER.pack(*header) + buf.tobytes(), dst, tag)
         if not request.Test():
             SendWork(channels, [request], header, dst, tag).wait()
@@ -183,7 +183,7 @@ def isend(channels: Channels, payload_t, buf, dst, tag=0) -> "SendWork":
     array = buf if type(buf) is np.ndarray else as_input(buf, "send")
     if not array.flags.c_contiguous:
         array = array.copy()
-    code, nbytes, mpi = _code(array.dtype), array.nbytes, channels.envelopes.mpi
+    code, nbytes, mpi = _code(array.dtype, "send"), array.nbytes, channels.envelopes.mpi
     if nbytes <= INLINE_BYTES and type(array) is np.ndarray:
         header = (code, nbytes, array.size, _INLINE)
         envelope = _HEADER.pack(*header) + array.tobytes()
@@ -244,12 +244,12 @@ def recv(channels: Channels, buf, src, tag, status: Status | None, payload_trans
         tag = check_tag(tag, "recv", wildcard=True)
     flags, dtype, nbytes = buf.flags, buf.dtype, buf.nbytes
     _check_writeable(buf, flags)
+    code = _CODES.get(dtype) or _code(dtype, "recv")
     envelopes = channels.envelopes
     # A fresh envelope each time: one reused across receives measured 25 % slower at 4 KiB in some heap layouts.
     envelope = bytearray(_ENVELOPE_BYTES)
     request = envelopes.mpi.Irecv(envelope, src, tag)
     # Everything the arrival is checked against and copied with is made before it arrives (off the latency path).
-    code = _CODES.get(dtype) or _code(dtype)
     expected = _HEADER.pack(code, nbytes, buf.size, _INLINE)
     inline = memoryview(envelope)[_HEADER.size : _HEADER.size + nbytes]
     target = memoryview(buf).cast("B") if dtype.kind in _MEMORYVIEW_KINDS and flags.c_contiguous else None
@@ -289,6 +289,7 @@ def irecv(channels: Channels, payload_t, buf, src=ANY_SOURCE, tag=ANY_TAG, statu
     tag = check_tag(tag, "recv", wildcard=True)
     array = buf if type(buf) is np.ndarray else as_output(buf, "recv")
     _check_writeable(array)
+    _code(array.dtype, "recv")
     envelope = np.empty(_ENVELOPE_BYTES, dtype=np.uint8)
     work = RecvWork(channels, payload_t, channels.envelopes.mpi.Irecv(envelope, src, tag), envelope, buf, array,
                     src, tag, status)
@@ -400,8 +401,9 @@ class RecvWork(Work):
                 drain = np.empty(nbytes, dtype=np.uint8)
                 self._channels.payloads.wait([self._channels.payloads.mpi.Irecv(drain, self.source, sequence)],
                                              (self.source,), operation=_Lazy(self._describe))
-            raise ValueError(f"{self._describe()}: the sender sent {_describe(sent)}; sizes and dtypes must match "
-                             "exactly")
+            raise ValueError(f"{self._describe()}: the sender sent {_describe(sent, array.dtype)} (rank {self.source}, "
+                             f"tag {self.tag}); sizes and dtypes must match exactly (the message was taken and "
+                             "dropped, as MPI drops a truncated one)")
         self._target = array if array.flags.c_contiguous else array.copy()
         if sequence == _INLINE:
             if nbytes:
@@ -463,9 +465,13 @@ def _describe_recv(array, src: int, tag: int) -> str:
     return f"recv of {array.size} elements of {array.dtype} ({array.nbytes} B) from {source} ({tags})"
 
 
-def _code(dtype: np.dtype) -> int:
+def _code(dtype: np.dtype, operation: str = "recv") -> int:
+    """The envelope's code of ``dtype``; TypeError (before any communication) for dtypes of Python objects."""
     code = _CODES.get(dtype)
-    return zlib.crc32(dtype.name.encode()) if code is None else code
+    if code is not None:
+        return code
+    check_plain(dtype, operation)
+    return zlib.crc32(dtype.name.encode())
 
 
 def _to_device(host_bytes):
@@ -474,6 +480,11 @@ def _to_device(host_bytes):
     return cupy.asarray(host_bytes)
 
 
-def _describe(header) -> str:
+def _describe(header, receiving: np.dtype | None = None) -> str:
+    """A header's payload in words; ``receiving``: the receiver's dtype, which names a code of its own."""
     code, nbytes, count = (int(x) for x in header[:3])
-    return f"{count} elements of {_DTYPE_NAMES.get(code, 'dtype#%d' % code)} ({nbytes} B)"
+    name = _DTYPE_NAMES.get(code)
+    if name is None:
+        name = (str(receiving) if receiving is not None and code == _code(receiving)
+                else "a dtype other than mpcomm's numeric ones (a structured, string or other non-numeric dtype)")
+    return f"{count} elements of {name} ({nbytes} B)"

@@ -10,6 +10,7 @@ import hashlib
 import json
 
 import numpy as np
+from mpi4py import MPI
 
 from . import staging
 from .algorithms import REGISTRY
@@ -47,6 +48,11 @@ class Plan:
     def meeting(cls, operation: str) -> "Plan":
         """A barrier standing for ``operation`` (e.g. the meeting before a blocking ``MPI_Comm_split``)."""
         return cls._bare(operation, {"operation": operation}, _barrier)
+
+    @classmethod
+    def sum_of_int64(cls, operation: str) -> "Plan":
+        """An all-reduce (sum) of one int64 standing for ``operation``: ``fn(t, mine, total)``."""
+        return cls._bare(operation, {"operation": operation}, _sum_of_int64)
 
     @classmethod
     def rejected(cls, operation: str, error: Exception) -> "Plan":
@@ -90,6 +96,10 @@ class _Label:
 
 def _nothing(t, *args) -> None:
     """The algorithm of a call with no data: all ranks still agree and count it."""
+
+
+def _sum_of_int64(t, mine, total) -> None:
+    t.wait_one(t.mpi.Iallreduce(mine, total, MPI.SUM))
 
 
 def _barrier(t) -> None:

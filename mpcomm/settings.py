@@ -17,6 +17,8 @@ import numpy as np
 from .errors import ConfigError
 
 DEFAULT_TIMEOUT = 30.0
+# Below this no exchange can complete (one scheduler time slice is longer): such a timeout only breaks the job.
+MIN_TIMEOUT = 1e-3
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 PROGRESS_MODES = ("thread", "wait")
@@ -31,6 +33,10 @@ class Settings:
     ranks_per_node: int | None = None
     progress: str = "thread"  # non-blocking collectives: on a progress thread, or run inside wait()
     tuning_file: str | None = None  # auto's table, loaded by the constructor (a collective: every rank or none)
+    # Auto's model measures the network between hosts (a collective: every rank or none, and one model everywhere).
+    network_probe: bool = True
+    staging_chunk: int = 0  # bytes per message of a staged device transfer (both ends must cut alike); 0: default
+    cuda_aware: str = ""  # MPCOMM_CUDA_AWARE: direct or staged device transfers send different messages
 
     @classmethod
     def resolve(cls, timeout=None, validate=None, ranks_per_node=None) -> "Settings":
@@ -42,6 +48,9 @@ class Settings:
                             else _env_positive_int("MPCOMM_RANKS_PER_NODE", "ranks_per_node")),
             progress=_env_choice("MPCOMM_PROGRESS", PROGRESS_MODES, default="thread"),
             tuning_file=_env("MPCOMM_TUNING_FILE") or None,
+            network_probe=(_env("MPCOMM_NETWORK_PROBE") or "1").lower() not in _FALSE,
+            staging_chunk=_staging_chunk(),
+            cuda_aware=(_env("MPCOMM_CUDA_AWARE") or "").lower(),
         )
 
 
@@ -66,6 +75,9 @@ _SOURCES = {  # where each setting comes from, for the error that says the ranks
     "ranks_per_node": "argument or MPCOMM_RANKS_PER_NODE",
     "progress": "MPCOMM_PROGRESS",
     "tuning_file": "MPCOMM_TUNING_FILE",
+    "network_probe": "MPCOMM_NETWORK_PROBE",
+    "staging_chunk": "MPCOMM_STAGING_CHUNK",
+    "cuda_aware": "MPCOMM_CUDA_AWARE",
 }
 
 
@@ -73,6 +85,8 @@ _SOURCES = {  # where each setting comes from, for the error that says the ranks
 def _timeout(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    if value < MIN_TIMEOUT:
+        raise ConfigError(f"{name} must be at least {MIN_TIMEOUT:g} s (no exchange completes sooner), got {value!r}")
     return float(value)
 
 
@@ -101,9 +115,13 @@ def _env_timeout() -> float:
     if not value:
         return DEFAULT_TIMEOUT
     try:
-        return _timeout(float(value), "MPCOMM_TIMEOUT")
-    except (ValueError, ConfigError):
+        number = float(value)
+    except ValueError:
         raise ConfigError(f"MPCOMM_TIMEOUT={value!r}: expected a finite number of seconds > 0") from None
+    try:
+        return _timeout(number, "MPCOMM_TIMEOUT")
+    except ConfigError as exc:
+        raise ConfigError(f"MPCOMM_TIMEOUT={value!r}: {exc}") from None
 
 
 def _env_flag(name: str) -> bool:
@@ -126,6 +144,15 @@ def _env_positive_int(name: str, what: str) -> int | None:
     if number < 1:
         raise ConfigError(f"{name}={value!r}: {what} must be >= 1, got {number}")
     return number
+
+
+def _staging_chunk() -> int:
+    from .staging import chunk_bytes  # (staging reads it again at each transfer; here the ranks compare it)
+
+    try:
+        return chunk_bytes()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:

@@ -71,6 +71,8 @@ def resolve_layout(args: argparse.Namespace, world: int) -> tuple[int, int, int]
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.lr > 0:
         raise ConfigError(f"--lr must be positive, got {args.lr}")
+    if not 0 < args.bucket_cap_mb < float("inf"):
+        raise ConfigError(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
     given = {n: getattr(args, n) for n in ("dp", "tp", "pp")}
     if args.engine == "single":
         if any(v not in (None, 1) for v in given.values()):

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -37,6 +37,9 @@ _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS = 8, 2
 # p = 2 took 1.48-1.54x the blocking all-reduce, 1.07-1.13x without (bench/results/progress_wait.md).
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
 _BYTES = MPI.BYTE
+COMMUNICATORS_HELD = 4  # MPI communicators each Communicator makes (see Communicator.__init__)
+_LATE = ("no Communicator was made here; this rank's MPI_Comm_idup of the communicator stays pending and completes "
+         "when those ranks make their Communicator too (every rank must, before its next collective on it)")
 
 
 class Transport:
@@ -163,10 +166,14 @@ class Transport:
         failed = [f"with rank {peer}: {_error_text(status.Get_error())}"
                   for status, peer in zip(statuses, peers)
                   if status.Get_error() not in (MPI.SUCCESS, MPI.ERR_PENDING)]
+        codes = [exc.Get_error_class()] + [MPI.Get_error_class(status.Get_error()) for status in statuses]
+        sizes = any(code in (MPI.ERR_TRUNCATE, MPI.ERR_COUNT, MPI.ERR_TYPE) for code in codes)
+        peers = list(dict.fromkeys(peers))
+        hint = ("do all ranks pass the same sizes and dtypes?" if sizes else
+                f"rank(s) {peers} may have died or stalled; see their output")
         return MpcommError(
             f"rank {self.rank}: {operation or self.operation}: MPI error while exchanging with rank(s) "
-            f"{list(peers)}: {'; '.join(failed) or _error_text(exc.Get_error_code())} "
-            "(do all ranks pass the same sizes and dtypes?)"
+            f"{peers}: {'; '.join(failed) or _error_text(exc.Get_error_code())} ({hint})"
         )
 
     def allgather_object(self, obj) -> list:
@@ -361,6 +368,39 @@ def _error_text(code: int) -> str:
     lines = [line.strip() for line in MPI.Get_error_string(code).splitlines() if line.strip()]
     head = lines[0].removesuffix(", error stack:") if lines else f"MPI error {code}"
     return f"{head} ({lines[-1]})" if len(lines) > 1 else head
+
+
+def created(make: Callable[[], MPI.Comm], what: str, rank: int) -> MPI.Comm:
+    """``make()`` (an MPI call that creates a communicator); an MpcommError saying what ran out if MPI cannot."""
+    try:
+        return make()
+    except MPI.Exception as exc:
+        raise _not_created(what, rank, _error_text(exc.Get_error_code())) from None
+
+
+def _not_created(what: str, rank: int, mpi_says: str) -> MpcommError:
+    return MpcommError(
+        f"rank {rank}: {what}: the MPI library could not create a communicator ({mpi_says}); MPI allows each process "
+        f"a limited number of communicators (MPICH: 2048) and each Communicator holds {COMMUNICATORS_HELD} of them "
+        "until free() (one more if split() made it): free() the Communicators you no longer use")
+
+
+def duplicate(mpi_comm: MPI.Comm, timeout: float) -> MPI.Comm:
+    """mpcomm's own duplicate of a user's communicator: the only operation mpcomm starts on one it does not own,
+    a non-blocking MPI_Comm_idup waited with the deadline. A rank that does not come within it leaves the others'
+    idup pending (MPI cannot cancel a collective); it completes, in order with any later collective, once that rank
+    calls it too, so the user's communicator stays in step as long as every rank makes the Communicator."""
+    rank = mpi_comm.Get_rank()
+    new, request = created(mpi_comm.Idup, "Communicator", rank)
+    t = Transport(mpi_comm, timeout, on_timeout=_LATE)
+    try:
+        with t.running("Communicator: duplicating the communicator (MPI_Comm_idup)"):
+            t.wait_one(request)
+    except CommTimeoutError:
+        raise
+    except MpcommError as exc:  # MPICH finds out that it has no context id left while the idup progresses
+        raise _not_created("Communicator", rank, str(exc).split(": ", 3)[-1]) from None
+    return new
 
 
 def split_node(mpi_comm: MPI.Comm, ranks_per_node: int | None) -> MPI.Comm:

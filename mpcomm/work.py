@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -38,12 +39,15 @@ def wait_timeout(timeout, operation: str = "wait") -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0 or math.isinf(timeout):
         raise ValueError(f"{operation}: timeout must be None or a finite number of seconds >= 0, got {timeout!r}")
-    return float(timeout)
+    return min(float(timeout), threading.TIMEOUT_MAX)  # (longer than any run: the operation's own deadline ends it)
 
 
 # What a wait(timeout) that gave up leaves behind: the operation goes on (its own deadline still bounds it).
 STILL_RUNNING = ("the operation is still running and the communicator stays usable; wait() again, or let the "
                  "communicator's own timeout end it")
+# wait(timeout=0) in progress-on-wait mode: a poll, which must not run the operation against a zero deadline.
+STILL_PENDING = ("the operation is still pending (MPCOMM_PROGRESS=wait: it runs inside a wait() with a timeout "
+                 "above 0, is_completed() or the next blocking collective) and the communicator stays usable")
 
 
 class FutureWork(Work):
@@ -100,8 +104,8 @@ class InlineProgress:
     def __init__(self):
         self._queue: list[DeferredWork] = []
 
-    def submit(self, body, transport) -> "DeferredWork":
-        work = DeferredWork(self, body, transport)
+    def submit(self, body, transport, operation: str = "collective") -> "DeferredWork":
+        work = DeferredWork(self, body, transport, operation)
         self._queue.append(work)
         return work
 
@@ -114,8 +118,8 @@ class InlineProgress:
 class DeferredWork(Work):
     """A collective queued for progress on wait; its errors are raised by ``wait()``."""
 
-    def __init__(self, progress: InlineProgress, body, transport):
-        self._progress, self._body, self._transport = progress, body, transport
+    def __init__(self, progress: InlineProgress, body, transport, operation: str = "collective"):
+        self._progress, self._body, self._transport, self._operation = progress, body, transport, operation
         self.done, self._result, self._error = False, None, None
 
     def run(self) -> None:
@@ -127,8 +131,12 @@ class DeferredWork(Work):
 
     def wait(self, timeout: float | None = None) -> Any:
         """Run this operation (and those issued before it) here; each of their waits is bounded by ``timeout``
-        when given (it runs in this thread, so giving up stops it midway: the communicator becomes unusable)."""
+        when given (it runs in this thread, so giving up stops it midway: the communicator becomes unusable).
+        ``timeout=0`` only polls: it raises CommTimeoutError if the operation has not run, and runs nothing."""
         timeout = wait_timeout(timeout)
+        if timeout == 0 and not self.done:
+            t = self._transport
+            raise CommTimeoutError(f"{self._operation}: wait", t.others, 0.0, 0.0, t.rank, consequence=STILL_PENDING)
         if timeout is None or self.done:
             self._progress.run_until(self)
         else:

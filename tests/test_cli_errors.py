@@ -75,6 +75,8 @@ TRAIN_CONFIG_ERRORS = {
     "d_hidden not divisible by tp": (["--engine", "tp", "--d-hidden", "31"], "d_hidden % tp"),
     "steps zero": (["--steps", "0"], "--steps must be >= 1"),
     "lr nan": (["--lr", "nan"], "--lr must be positive"),
+    "bucket cap negative": (["--engine", "ddp", "--bucket-cap-mb", "-5"], "--bucket-cap-mb must be a positive"),
+    "bucket cap zero": (["--engine", "ddp", "--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive"),
 }
 
 
@@ -90,6 +92,18 @@ def test_user_error_is_one_line_and_exit_2(case, ranks):
 def test_train_configuration_error_is_one_line(case, ranks):
     argv, fragment = TRAIN_CONFIG_ERRORS[case]
     assert_one_line_error(launch(ranks, ["-m", "mpcomm.train", *argv]), "mpcomm-train", fragment)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("prog", ["mpcomm-bench", "mpcomm-train"])
+@pytest.mark.parametrize("value", ["abc", "1e-9"])
+def test_bad_mpcomm_timeout_is_one_line(monkeypatch, prog, value, ranks):
+    """A bad MPCOMM_TIMEOUT is a ConfigError on every rank: one line, exit 2 (mpcomm-bench printed two tracebacks and
+    called MPI_Abort)."""
+    monkeypatch.setenv("MPCOMM_TIMEOUT", value)
+    module = "mpcomm.bench" if prog == "mpcomm-bench" else "mpcomm.train"
+    argv = ["-m", module, "-e", "64"] if prog == "mpcomm-bench" else ["-m", module, "--engine", "ddp", "--steps", "1"]
+    assert_one_line_error(launch(ranks, argv), prog, f"MPCOMM_TIMEOUT={value!r}")
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

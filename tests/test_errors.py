@@ -74,9 +74,6 @@ LOCAL_ERRORS = {
         lambda c: c.reduce_scatter(np.zeros(P, np.float64), np.zeros(1, np.float32)), TypeError, ["float64", "float32"]),
     "all_gather-dtypes": (
         lambda c: c.all_gather(np.zeros(1, np.int32), np.zeros(P, np.int64)), TypeError, ["int32", "int64"]),
-    "root-too-large": (lambda c: c.broadcast(np.zeros(3), root=P), ValueError, ["broadcast", "root", str(P)]),
-    "root-negative": (lambda c: c.broadcast(np.zeros(3), root=-1), ValueError, ["broadcast", "root", "-1"]),
-    "root-not-int": (lambda c: c.broadcast(np.zeros(3), root=0.5), ValueError, ["broadcast", "root"]),
     "send-bad-dst": (lambda c: c.send(np.zeros(3), P), ValueError, ["send", "destination", str(P)]),
     "isend-negative-dst": (lambda c: c.isend(np.zeros(3), -1), ValueError, ["send", "-1"]),
     "recv-bad-src": (lambda c: c.recv(np.zeros(3), P + 3), ValueError, ["recv", "source", str(P + 3)]),
@@ -95,15 +92,14 @@ LOCAL_ERRORS = {
 }
 
 
-@pytest.mark.parametrize("case", list(LOCAL_ERRORS))
-def test_local_error_before_any_communication(short, case):
-    call, expected, fragments = LOCAL_ERRORS[case]
+def assert_lonely_error(c: Communicator, case: str, call, expected, fragments) -> None:
+    """Only rank LONELY makes the bad ``call`` on ``c``: it must raise ``expected`` mentioning ``fragments``."""
 
     def run():
-        if short.rank != LONELY:
+        if c.rank != LONELY:
             return None
         try:
-            call(short)
+            call(c)
         except Exception as exc:  # noqa: BLE001 - inspected below
             return type(exc).__name__, isinstance(exc, expected), str(exc)
         return "no error", False, ""
@@ -112,6 +108,30 @@ def test_local_error_before_any_communication(short, case):
     assert matched, f"{case}: expected {expected.__name__}, got {name}: {message}"
     missing = [f for f in fragments if f not in message]
     assert not missing, f"{case}: message {message!r} does not mention {missing}"
+
+
+@pytest.mark.parametrize("case", list(LOCAL_ERRORS))
+def test_local_error_before_any_communication(short, case):
+    assert_lonely_error(short, case, *LOCAL_ERRORS[case])
+
+
+# A bad root: raised before any communication too, but the Communicator becomes unusable on that rank (the others
+# may be running the collective with their root: tests/test_edges.py), so each on a Communicator of its own.
+ROOT_ERRORS = {
+    "root-too-large": (lambda c: c.broadcast(np.zeros(3), root=P), ValueError, ["broadcast", "root", str(P)]),
+    "root-negative": (lambda c: c.broadcast(np.zeros(3), root=-1), ValueError, ["broadcast", "root", "-1"]),
+    "root-not-int": (lambda c: c.broadcast(np.zeros(3), root=0.5), ValueError, ["broadcast", "root"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ROOT_ERRORS))
+def test_bad_root_is_raised_before_any_communication(case):
+    c = Communicator(WORLD, timeout=5.0)
+    try:
+        call, expected, fragments = ROOT_ERRORS[case]
+        assert_lonely_error(c, case, call, expected, [*fragments, "unusable"])
+    finally:
+        c.free()
 
 
 def test_short_communicator_still_works_after_local_errors(short):

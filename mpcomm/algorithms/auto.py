@@ -29,6 +29,7 @@ from . import KEEP_LOW_PRECISION
 
 TABLE_FORMAT = "mpcomm-tuning/1"
 STEADY = ("ring", "ring_pipelined")  # algorithms whose every rank talks to the same two peers all call long
+MEMO_SIZE = 1024  # decisions remembered (Selector.choose): varying sizes must not grow memory
 STEADY_MARGIN = 0.05  # across nodes, a ring this close to the cheapest prediction is preferred (Selector.predict)
 
 
@@ -357,14 +358,16 @@ class Selector:
         return self.layout.size
 
     @classmethod
-    def default(cls, comm) -> "Selector":
+    def default(cls, comm, probe: bool | None = None) -> "Selector":
         """The model-based selector for a Communicator (collective: computes the node layout and, when the
-        ranks span several hosts, measures the network between them; env ``MPCOMM_NETWORK_PROBE=0`` skips
-        that and keeps the model's default network)."""
+        ranks span several hosts, measures the network between them; ``probe=False`` (the Communicator's agreed
+        setting from env ``MPCOMM_NETWORK_PROBE=0``; None: read it here) skips that and keeps the model's
+        default network)."""
         from . import REGISTRY
 
         layout, model, network = Layout.of(comm), CostModel(), None
-        probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
+        if probe is None:
+            probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
         if layout.num_nodes > 1 and probe:
             network = topology.measure(comm._sync)  # None when the "nodes" are ranks_per_node blocks of one host
             if network is not None:
@@ -380,8 +383,8 @@ class Selector:
         if name is None:
             name = (self._measured(operation, nbytes, np.dtype(dtype))
                     or self.predict(operation, nbytes, dtype=np.dtype(dtype), op=op))
-            if len(self._decided) > 4096:  # a sweep over many sizes: keep the memo small
-                self._decided.clear()
+            if len(self._decided) >= MEMO_SIZE:  # a sweep over many sizes: the oldest decision goes
+                del self._decided[next(iter(self._decided))]
             self._decided[key] = name
         return name
 

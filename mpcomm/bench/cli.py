@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..buffers import SUPPORTED_DTYPES, check_dtype_op
+from ..errors import ConfigError
 from ..launch import ArgumentParser, root_outputs_problem, run_main
 from .driver import (BLOCK_SECONDS, COLLECTIVES, Plan, memcpy_bandwidth, sizes, sweep, timed_algorithms,
                      tty_progress)
@@ -183,7 +184,10 @@ def run(argv: Sequence[str] | None = None, comm=None, out: TextIO | None = None)
     plan = make_plan(parser, args, world.Get_size())
     owned = comm is None
     if owned:
-        comm = Communicator(world, timeout=args.timeout, ranks_per_node=args.ranks_per_node)
+        try:
+            comm = Communicator(world, timeout=args.timeout, ranks_per_node=args.ranks_per_node)
+        except ConfigError as exc:  # every rank has it (the settings are agreed): one line, exit 2
+            parser.error(str(exc))
     problem = root_outputs_problem(comm, {"--json": args.json, "--plot": args.plot})  # before the run, not after
     if problem:
         if owned:

@@ -306,7 +306,7 @@ class DistributedDataParallel:
         if not isinstance(module, Module):
             raise TypeError(f"DistributedDataParallel wraps an mpcomm.nn.Module, got {type(module).__name__}")
         if bucket_cap_mb is None or not bucket_cap_mb > 0 or not first_bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb and first_bucket_cap_mb must be positive, got {bucket_cap_mb} and "
+            raise ConfigError(f"bucket_cap_mb and first_bucket_cap_mb must be positive, got {bucket_cap_mb} and "
                              f"{first_bucket_cap_mb}")
         self.module = module
         self.comm = comm if isinstance(comm, Communicator) else Communicator(comm)
