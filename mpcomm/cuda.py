@@ -179,11 +179,13 @@ def _read_cvar(handles, name: str) -> int | None:
     try:
         from mpi4py import MPI
 
-        single = int(MPI.THREAD_SINGLE)
+        # The level MPI already provides: Open MPI's MPI_T_init_thread overwrites the process's thread level with
+        # the one asked for, so asking for SINGLE left MPI_Query_thread saying SINGLE (no progress thread after).
+        level = int(MPI.Query_thread()) if MPI.Is_initialized() else int(MPI.THREAD_SINGLE)
     except Exception:  # pragma: no cover
-        single = 0
+        level = 0
     provided = ctypes.c_int(0)
-    if f["MPI_T_init_thread"](ctypes.c_int(single), ctypes.byref(provided)) != 0:
+    if f["MPI_T_init_thread"](ctypes.c_int(level), ctypes.byref(provided)) != 0:
         return None
     try:
         index = ctypes.c_int(-1)

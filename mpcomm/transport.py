@@ -69,6 +69,8 @@ class Transport:
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
         self.spins_before_yield, self.quick_tests = _SPINS_BEFORE_YIELD, _QUICK_TESTS
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
+        # The MPI library's persistent collectives made on this communicator, with their buffers (algorithms/native)
+        self.persistent_requests: dict = {}
 
     def share_cores(self) -> None:
         """This rank shares its core with other ranks: yield it sooner while waiting."""
@@ -254,8 +256,16 @@ class Transport:
         for sub in (self._node, self._cross):
             if sub is not None:
                 sub.free()
+        self.free_persistent_requests()
         if self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
+
+    def free_persistent_requests(self) -> None:
+        """Free the persistent requests made on this transport (none may be active: every wait for one returned)."""
+        for entry in self.persistent_requests.values():
+            if entry is not None:
+                entry[0].Free()
+        self.persistent_requests.clear()
 
     # ------------------------------------------------------------------ internals
     def _wire(self, buf) -> list:

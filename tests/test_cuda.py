@@ -111,6 +111,14 @@ def test_detection_of_this_process_is_consistent():
         assert found.mpix_query is not None, "MPICH >= 4 exports MPIX_Query_cuda_support"
 
 
+def test_detection_leaves_the_thread_level_alone():
+    """Reading MPI_T control variables must not change the thread level MPI reports (Open MPI's
+    MPI_T_init_thread overwrites it with the level asked for; asking for SINGLE turned off the progress thread)."""
+    before = MPI.Query_thread()
+    cuda.detection(refresh=True)
+    assert MPI.Query_thread() == before
+
+
 def test_environment_override_and_refresh(monkeypatch):
     try:
         monkeypatch.setenv("MPCOMM_CUDA_AWARE", "1")

@@ -240,7 +240,10 @@ def test_every_nonblocking_collective_equals_its_blocking_form(nb, name):
 def test_the_progress_thread_polls_without_sleeping_while_the_caller_waits(monkeypatch):
     """A wait on a background thread sleeps between its polls (so the caller's compute keeps its core), but not
     while the caller waits for that very operation: the progress thread's transport, and its node / cross-node
-    parts, count the waiting thread (mpcomm.transport.Waiters), and count nobody once the wait returns."""
+    parts, count the waiting thread (mpcomm.transport.Waiters), and count nobody once the wait returns.
+    Assumes a progress thread, which needs MPI_THREAD_MULTIPLE (else wait() runs the probe itself)."""
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip(f"no progress thread: MPI provides thread level {MPI.Query_thread()}, not MULTIPLE")
     monkeypatch.setenv("MPCOMM_PROGRESS", "thread")
     comm = Communicator(WORLD)
 

@@ -43,6 +43,15 @@ def on_backend(backend: str, program, seconds: float = 60):
         in_step(dist.destroy_process_group)
 
 
+def backend_of(group):
+    """The mpcomm Backend torch bound to ``group``'s CPU device (what runs its calls)."""
+    import torch
+
+    backend = group._get_backend(torch.device("cpu"))
+    assert isinstance(backend, mpt.BackendMpcomm), backend
+    return backend
+
+
 @pytest.fixture
 def pg():
     """The default process group on the mpcomm backend (rank and size from MPI, no MASTER_ADDR)."""

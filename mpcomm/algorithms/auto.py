@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import topology
 from ..buffers import AVG, LOW_PRECISION, MAX, MIN
+from ..mpi_library import library
 from ..tuning_table import check_table
 from . import KEEP_LOW_PRECISION
 
@@ -88,7 +89,9 @@ class CostModel:
     link, which go at the link's rate): the MPI library's Allreduce is modelled as rhd run in C, but MPICH's
     shared-memory path moved 20-35 % fewer bytes per second than mpcomm's ring/rhd from 512 KiB to 8 MiB in four
     sweeps of ``bench/sweep.sh`` (p = 2; 3-4x fewer at 32-64 MiB), so without it the model kept ``native`` past
-    the measured crossover (between 128 and 512 KiB at p = 2, 512 KiB and 2 MiB at p = 4 on 2 cores).
+    the measured crossover (between 128 and 512 KiB at p = 2, 512 KiB and 2 MiB at p = 4 on 2 cores). These
+    defaults are MPICH's; another library's profile replaces them (``mpcomm.mpi_library``: Open MPI's blocking
+    all-reduce, which ``native`` makes there for large messages, moves bytes faster than mpcomm's algorithms).
 
     ``direct`` is priced as the ring: the same bytes and reductions, its p-1 messages posted at once costing about
     what the ring's p-1 steps do; what sets it apart is that float16/bfloat16 stay 16-bit (:meth:`passes`), so
@@ -362,10 +365,11 @@ class Selector:
         """The model-based selector for a Communicator (collective: computes the node layout and, when the
         ranks span several hosts, measures the network between them; ``probe=False`` (the Communicator's agreed
         setting from env ``MPCOMM_NETWORK_PROBE=0``; None: read it here) skips that and keeps the model's
-        default network)."""
+        default network). The model's constants for ``native`` are the MPI library's (``mpcomm.mpi_library``:
+        the same library on every rank, so the same choices)."""
         from . import REGISTRY
 
-        layout, model, network = Layout.of(comm), CostModel(), None
+        layout, model, network = Layout.of(comm), replace(CostModel(), **dict(library().cost_model)), None
         if probe is None:
             probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
         if layout.num_nodes > 1 and probe:

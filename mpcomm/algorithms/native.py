@@ -12,16 +12,21 @@ mpcomm's own algorithms:
 """
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 from mpi4py import MPI
 
 from ..buffers import MAX, MIN, ReduceOp
+from ..errors import CollectiveMismatchError
 from ..kernels import KEY_DTYPES, from_keys, to_keys
+from ..mpi_library import library
 from ..transport import Transport
 
 _MIN_MAX = (MIN, MAX)
 _SMALL = 16  # up to this many elements a NaN is looked for by a sum in Python (see _has_nan)
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
+_PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) one transport keeps at most
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
@@ -31,9 +36,7 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         t.wait_one(t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
         from_keys(keys)
         return
-    request = t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi)
-    if not (request.Test() or request.Test()):  # (most small ones are done by the second Test at p = 2)
-        t.wait_one(request)
+    _allreduce_in_place(t, buf, op)
     if op.divisor != 1:
         op.finish(buf)
     if dtype.kind in "fc" and t.size > 1:
@@ -99,6 +102,64 @@ def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def _allreduce_in_place(t: Transport, buf, op: ReduceOp) -> None:
+    """``buf`` <- the library's all-reduce of ``buf``, waited for within the deadline the way that is cheapest on
+    this MPI library for its size (``mpcomm.mpi_library``)."""
+    profile = library()
+    if type(buf) is np.ndarray and t.size > 1:
+        if buf.nbytes <= profile.persistent_upto:
+            persistent = _persistent_allreduce(t, buf, op)
+            if persistent is not None:
+                request, own = persistent
+                own[...] = buf
+                request.Start()
+                if not (request.Test() or request.Test()):  # (not wait_one: a timeout would cancel the request,
+                    t.poll_until(request.Test, t.others)  # and MPICH aborts on MPI_Cancel of a persistent collective)
+                buf[...] = own
+                return
+        if profile.blocking_above is not None and buf.nbytes > profile.blocking_above:
+            _meet(t, buf, op)
+            t.mpi.Allreduce(MPI.IN_PLACE, buf, op.mpi)
+            return
+    _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi))
+
+
+def _wait(t: Transport, request) -> None:
+    if not (request.Test() or request.Test()):  # (most small ones are done by the second Test at p = 2)
+        t.wait_one(request)
+
+
+def _persistent_allreduce(t: Transport, buf, op: ReduceOp):
+    """The (request, buffer) of this transport's persistent all-reduce of ``buf``'s count, dtype and op, made on
+    first use; None where the library has none (every rank alike: it is the same library). Made in the order of
+    the calls, the same on every rank; past ``_PERSISTENT_KEPT`` kinds all are freed (the same on every rank)."""
+    kept = t.persistent_requests
+    key = (buf.size, buf.dtype, op.name)
+    if key not in kept:
+        if len(kept) >= _PERSISTENT_KEPT:
+            t.free_persistent_requests()
+        own = np.empty_like(buf)
+        try:
+            kept[key] = (t.mpi.Allreduce_init(MPI.IN_PLACE, own, op.mpi), own)
+        except (NotImplementedError, MPI.Exception):  # an MPI before MPI-4 (or built without it)
+            kept[key] = None
+    return kept[key]
+
+
+def _meet(t: Transport, buf, op: ReduceOp) -> None:
+    """Wait, within the deadline, until every rank has come to this all-reduce of the same count, dtype and op, so
+    that the blocking call made next cannot wait for a rank that is not coming (or pair with another call);
+    CollectiveMismatchError on every rank where they differ."""
+    kind = zlib.crc32(f"{buf.dtype.str} {op.name}".encode())
+    mine = np.array([buf.size, kind, -buf.size, -kind], dtype=np.int64)  # max of x and of -x: the extremes
+    extremes = np.empty_like(mine)
+    _wait(t, t.mpi.Iallreduce(mine, extremes, MPI.MAX))
+    if extremes[0] != -extremes[2] or extremes[1] != -extremes[3]:
+        raise CollectiveMismatchError(
+            f"rank {t.rank}: {t.operation}: the ranks called the MPI library's all-reduce with different counts, "
+            f"dtypes or ops (this rank: {buf.size} x {buf.dtype}, {op.name}); nothing was sent")
+
+
 def _copy(t: Transport, array):
     copy = t.scratch("native.keys", array.size, array.dtype, like=array)
     copy[...] = array

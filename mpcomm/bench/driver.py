@@ -114,7 +114,8 @@ def calibrate(step: Callable[[], object], world: MPI.Comm, warmup: int, iters: i
     """Warm up and choose the block length: (calls per block, untimed calls made).
 
     Trial blocks of 1, 4, 16, ... calls until one lasts CALIBRATION_SECONDS or reaches ``iters`` calls and at
-    least ``warmup`` calls were made; the trials stop early where the next would pass half of ``budget``.
+    least ``warmup`` calls were made; past ``warmup`` calls the trials stop early where the next would pass half
+    of ``budget``.
     The per-call time is the least of the trials': barrier skew, a cold first call or a rank descheduled on a
     shared machine only ever lengthen a trial, and a length chosen from an inflated time would be too short.
     ``warmup`` 0: no trial, blocks of ``iters`` calls.
@@ -129,7 +130,7 @@ def calibrate(step: Callable[[], object], world: MPI.Comm, warmup: int, iters: i
         if settled and made >= warmup:
             break
         grown = min(4 * calls, iters) if not settled else calls
-        if spent + elapsed * grown / calls > budget / 2:
+        if made >= warmup and spent + elapsed * grown / calls > budget / 2:  # (the warm-up calls are promised)
             break
         calls = grown
     return block_calls(per_call, iters, budget), made

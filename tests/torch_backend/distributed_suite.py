@@ -12,7 +12,8 @@ Many tests are gated on the backend's name (``BACKEND != "gloo"``: skip; ``BACKE
 tests), in their decorators and in their bodies. ``--gated NAME FILE`` runs the tests named in FILE from a copy of
 the test module imported as if ``BACKEND`` were NAME (decorators and bodies see NAME), while the process group is
 still created on ``--backend``: the way to run gloo's (or PyTorch's MPI backend's) own tests on another backend.
-``--tests FILE`` runs the tests named in FILE under the backend's true name (FILE: one name per line, ``#``
+``--gated`` may name one NAME with several FILEs (their tests are run together). ``--tests FILE`` runs the tests
+named in FILE under the backend's true name (FILE: one name per line, ``#``
 comments); with neither, every test runs under the true name, or under ``--gates-as NAME`` for all. ``--expect-pass`` makes the exit status non-zero unless every test run passed
 on every rank. A test passes when it passed on every rank; a test skipped on every rank is a skip; anything else is
 a failure. Ranks are kept in step with ``MPI.COMM_WORLD`` barriers around each test, so one rank's failure cannot
@@ -227,10 +228,13 @@ def main(argv=None) -> int:
     if args.tests or not args.gated:
         case = build_case_class(load_test_module(args.gates_as or args.backend), args.backend)
         runs.append((case, select(case, args.tests, args.pattern)))
+    gated_files: dict[str, list[str]] = {}  # one module copy per name: a second would shadow the first's classes
     for name_as, path in args.gated:
+        gated_files.setdefault(name_as, []).append(path)
+    for name_as, paths in gated_files.items():
         gated = build_case_class(load_test_module(name_as), args.backend)
         gated.label_suffix = f" [as {name_as}]"
-        runs.append((gated, select(gated, path, args.pattern)))
+        runs.append((gated, sorted({name for path in paths for name in select(gated, path, args.pattern)})))
     result = _Outcomes(log)
     faulthandler.enable()
     start = time.perf_counter()

@@ -6,17 +6,19 @@ Usage, under ``mpiexec -n P python train.py`` (rank and world size come from MPI
     import mpcomm.integrations.torch            # registers the backend (collective: import it on every rank)
     dist.init_process_group("mpcomm")           # or init_method="mpcomm://", or mpcomm.integrations.torch.init_process_group()
 
-Importing this package registers the backend (``Backend.register_backend``, extended API, device ``cpu``) and a
-rendezvous scheme ``mpcomm://`` that takes rank and size from ``MPI.COMM_WORLD`` and gives torch an in-process
-``HashStore`` (the backend never uses the store). With neither ``store`` nor ``init_method``, PyTorch always
+Importing this package registers the backend (``Backend.register_backend``, extended API, device ``cpu``: so
+``"mpcomm"``, ``"cpu:mpcomm"`` and ``"cpu:mpcomm,cuda:nccl"`` all work, and torch binds it to the CPU device as it
+does gloo) and a rendezvous scheme ``mpcomm://`` that takes rank and size from ``MPI.COMM_WORLD`` and gives torch
+an in-process ``HashStore`` (the backend never uses the store). With neither ``store`` nor ``init_method``, PyTorch always
 rendezvouses through ``env://``, which reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; so that a bare
 ``dist.init_process_group("mpcomm")`` works under ``mpiexec`` too, the import fills in those that are unset
 (:func:`set_env_rendezvous_defaults`: rank and size from MPI, rank 0's address and a free port broadcast over
 ``MPI.COMM_WORLD``; loopback when every rank is on one host). Variables already set are never changed, so
 torchrun-style launches keep theirs.
 
-Each process group is a :class:`~.group.ProcessGroupMpcomm` over a private :class:`mpcomm.Communicator`
-(``new_group`` and DeviceMesh sub-groups over ``MPI.Comm.Create_group``); how its calls run is in ``lane.py``,
+torch builds each process group and registers with it, for ``cpu``, a :class:`~.group.BackendMpcomm` over a private
+:class:`mpcomm.Communicator` (``new_group`` and DeviceMesh sub-groups over ``MPI.Comm.Create_group``); the class it
+derives from is torch's or ours by torch version (``base.py``); how its calls run is in ``lane.py``,
 how tensors and reduce ops map to mpcomm's in ``tensors.py``. ``python -m mpcomm.integrations.torch`` times
 DDP steps on mpcomm against gloo.
 """
@@ -24,23 +26,24 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
 from ...comm import Communicator
 from ..ports import free_port
-from .group import BACKEND, ProcessGroupMpcomm
+from .group import BACKEND, BackendMpcomm
 from .tensors import as_numpy, reduce_op_name, reduction
 
 SCHEME = "mpcomm"
 _CREATE_GROUP_TAG = 0x6D70  # MPI.Comm.Create_group's tag for the groups of torch's new_group
 
-__all__ = ["BACKEND", "SCHEME", "ProcessGroupMpcomm", "as_numpy", "init_process_group", "monitored_barrier",
+__all__ = ["BACKEND", "SCHEME", "BackendMpcomm", "as_numpy", "init_process_group", "monitored_barrier",
            "reduce_op_name", "reduction", "register", "set_env_rendezvous_defaults"]
 
 
 # ---------------------------------------------------------------------------------------------- registration
-def _create(backend_opts, options=None) -> ProcessGroupMpcomm:
+def _create(backend_opts, options=None) -> BackendMpcomm:
     """Backend creator (extended API): the group's ranks come from ``global_ranks_in_group``."""
     world = MPI.COMM_WORLD
     ranks = list(backend_opts.global_ranks_in_group or [])
@@ -59,7 +62,7 @@ def _create(backend_opts, options=None) -> ProcessGroupMpcomm:
         group = world.Get_group().Incl(ranks)
         owned = world.Create_group(group, tag=_CREATE_GROUP_TAG)
         group.Free()
-    return ProcessGroupMpcomm(Communicator(owned, timeout=timeout), name=str(backend_opts.group_id or ""),
+    return BackendMpcomm(Communicator(owned, timeout=timeout), name=str(backend_opts.group_id or ""),
                               owned=owned)
 
 
@@ -125,13 +128,18 @@ def init_process_group(**kwargs) -> None:
 
 
 def monitored_barrier(group=None, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
-    """``dist.monitored_barrier`` for mpcomm groups (torch's own refuses every backend not named "gloo" before it
-    reaches the group): rank 0 waits up to ``timeout`` for every rank and names those that did not arrive."""
+    """``dist.monitored_barrier`` for mpcomm groups on every torch (torch 2.13's refuses every backend not named
+    "gloo" before it reaches the group; 2.14's takes any group with a CPU backend): rank 0 waits up to ``timeout``
+    (default: the group's) for every rank and names those that did not arrive."""
     group = dist.group.WORLD if group is None else group
-    if not isinstance(group, ProcessGroupMpcomm):
-        raise ValueError(f"monitored_barrier: {group!r} is not an mpcomm process group (for gloo groups use "
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):  # not a group, or one with no backend for cpu
+        backend = None
+    if not isinstance(backend, BackendMpcomm):
+        raise ValueError(f"monitored_barrier: {group!r} has no mpcomm backend for cpu (for gloo groups use "
                          "dist.monitored_barrier)")
-    group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+    backend.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
 register()

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import _free_port, init_process_group
+from ..ports import free_port
+from . import init_process_group
 
 
 def _time_ddp(steps: int, warmup: int, width: int, seed: int) -> tuple[float, list[float]]:
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     results["mpcomm"] = _time_ddp(args.steps, args.warmup, args.width, args.seed)
     dist.destroy_process_group()
     if dist.is_gloo_available():
-        port = world.bcast(_free_port() if world.Get_rank() == 0 else None, root=0)
+        port = world.bcast(free_port() if world.Get_rank() == 0 else None, root=0)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.Get_rank(),
                                 world_size=world.Get_size())

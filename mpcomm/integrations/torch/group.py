@@ -1,10 +1,12 @@
-"""``ProcessGroupMpcomm``: every ``ProcessGroup`` method torch calls for CPU tensors, over one mpcomm Communicator.
+"""``BackendMpcomm``: the c10d Backend torch binds to the CPU device for the ``"mpcomm"`` backend.
 
-A Python ``dist.ProcessGroup`` subclass, as PyTorch's own Python process groups are: torch.distributed's functions
-call these methods directly, and C++ callers (DDP's reducer, functional collectives, DTensor) reach them through
-the ProcessGroup trampoline. Collectives go through the group's :class:`~.lane.Lane` (issue order, synchronous
-calls inline); sends and receives use mpcomm's point-to-point directly. The group's name and description, which
-DeviceMesh, FSDP2 and ``destroy_process_group`` need, are kept here (a Python group registers no C++ backend).
+torch builds each process group itself and registers this Backend with it for ``cpu``
+(``_new_process_group_helper``), as it does gloo: ``group._get_backend(cpu)``, ``group._device_types``,
+``"cpu:mpcomm,cuda:nccl"`` and the dispatcher's CPU kernels (``dist.all_reduce``, DDP's reducer, functional
+collectives, DTensor) all reach these methods. The class derives from torch's Python-subclassable Backend where torch
+has one (2.14 on) and from ``backend_base.cpp`` where it has not (``base.py`` chooses); the methods take torch's
+Backend names either way. Collectives go through the Backend's :class:`~.lane.Lane` (issue order, synchronous calls
+inline); sends and receives use mpcomm's point-to-point directly.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from mpi4py import MPI
 from ...algorithms import REGISTRY
 from ...comm import Communicator
 from ...p2p import ANY_SOURCE
+from .base import backend_base, keep_alive
 from .lane import Job, Lane, done_work, p2p_work, queued_work
 from .pages import MIN_BYTES as HUGE_PAGES_FROM, HugePages
 from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, torch_error
@@ -33,46 +36,44 @@ _MONITOR_TAGS = min(0x10000, (_TAG_UB + 1) // 2)
 _MONITOR_TAG = _TAG_UB + 1 - _MONITOR_TAGS
 
 
-class ProcessGroupMpcomm(dist.ProcessGroup):
+class BackendMpcomm(backend_base()):
     """``torch.distributed`` over an :class:`mpcomm.Communicator` (CPU tensors)."""
 
     def __init__(self, comm: Communicator, algorithm: str = "auto", name: str = "", owned: MPI.Comm | None = None):
         super().__init__(comm.rank, comm.size)
+        keep_alive(self)
         self.comm, self.algorithm = comm, algorithm
-        self._lane = Lane(name or f"rank{comm.rank}", threaded=MPI.Query_thread() >= MPI.THREAD_MULTIPLE,
+        self._name = name or f"rank{comm.rank}"
+        self._lane = Lane(self._name, threaded=MPI.Query_thread() >= MPI.THREAD_MULTIPLE,
                           on_failure=self._note_failure)
         self._failed = False  # some communication of this group failed on this rank (see shutdown)
-        self._group_name, self._group_desc = name, ""
         self._owned = owned  # the MPI communicator made for this group, freed at shutdown
-        self._coalescing: list | None = None  # p2p Works between _start_coalescing and _end_coalescing
+        self._coalescing: list | None = None  # p2p Works between start_coalescing and end_coalescing
         self._monitor_calls = 0
+        self._sequence = 0  # collectives issued on this group (torch's sequence number; gloo counts the same)
         self._pages = HugePages()  # large tensors reduced again and again: onto 2 MiB pages (pages.py)
         self._native = self._native_allreduce()
         self._native_plan, self._native_run = self._native.functions() if self._native is not None else (None, None)
 
-    # ------------------------------------------------------------------ identity (C++ reaches these virtually)
     def getBackendName(self) -> str:
         return BACKEND
 
-    def getGroupName(self) -> str:
-        return self._group_name
+    def _set_sequence_number_for_group(self) -> None:
+        self._sequence = 0
 
-    def setGroupName(self, name: str) -> None:
-        self._group_name = name
-
-    def getGroupDesc(self) -> str:
-        return self._group_desc
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
+    def _get_sequence_number_for_group(self) -> int:
+        """The number of collectives issued on this group so far (the same on every rank)."""
+        return self._sequence
 
     def __repr__(self) -> str:
-        return f"ProcessGroupMpcomm(name={self._group_name!r}, rank={self.comm.rank}, size={self.comm.size})"
+        size = self.comm.size if self.comm is not None else "-"
+        return f"BackendMpcomm(name={self._name!r}, rank={self.rank()}, size={size})"
 
     # ------------------------------------------------------------------ running
     def _issue(self, operation: str, body: Callable[[], None], result, opts) -> dist.Work:
         """Run ``body`` in issue order: inline when torch waits at once (``opts.asyncOp`` false) and nothing is
         pending, else queued for the lane's worker. A synchronous call raises its error itself."""
+        self._sequence += 1
         synchronous = opts is not None and not opts.asyncOp
         if synchronous and self._lane.enter():
             self._run_here(operation, body)
@@ -128,6 +129,7 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
                 if plan.nbytes >= HUGE_PAGES_FROM:
                     self._pages.reused(tensors[0])
                 comm = self.comm
+                self._sequence += 1
                 self._run_here("allreduce", comm._run, comm._sync, plan, tensors[0], plan.rop)
                 return None
         if not opts.asyncOp and len(tensors) == 1 and self._allreduce_now(tensors, opts):
@@ -161,6 +163,7 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
             return False
         if array.nbytes >= HUGE_PAGES_FROM:
             self._pages.reused(tensor)
+        self._sequence += 1
         self._run_here("allreduce", self.comm.allreduce, array, red.name, self.algorithm)
         return True
 
@@ -535,6 +538,7 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
         seconds = opts.timeout.total_seconds()
         if seconds <= 0:
             return self._issue("barrier", self.comm.barrier, [], opts)
+        self._sequence += 1
         job = Job(self.comm.barrier, [], "barrier")
         self._lane.submit(job)
         work = queued_work(self._lane, job)
@@ -542,19 +546,20 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
             work.wait(seconds)
         return work
 
-    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
-        """gloo's monitored barrier (same messages): every rank checks in with rank 0, which waits up to ``timeout``
-        (default: the group's) and then releases them; a rank that did not arrive is named in rank 0's error
-        (every such rank with ``wait_all_ranks``). Call it on the group: ``dist.monitored_barrier`` itself
-        refuses every backend not named "gloo" before reaching the group."""
-        limit = _seconds_or(timeout, self.comm.timeout)
+    def monitored_barrier(self, opts=None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier (same messages): every rank checks in with rank 0, which waits up to
+        ``opts.timeout`` (unset: the group's) and then releases them; a rank that did not arrive is named in rank
+        0's error (every such rank with ``wait_all_ranks``). ``dist.monitored_barrier`` reaches it on torch 2.14
+        on; torch 2.13's refuses every backend not named "gloo", so there call ``group.monitored_barrier`` (or
+        ``mpcomm.integrations.torch.monitored_barrier``)."""
+        limit = _seconds_or(getattr(opts, "timeout", opts), self.comm.timeout)
         millis = int(round(limit * 1000))
         check_in, release = self._next_monitor_tags()
         token = np.full(1, self.comm.rank, dtype=np.int64)
         if self.comm.rank != 0:
-            try:
-                self.comm.isend(token, 0, check_in).wait(None)
-                self.comm.irecv(np.empty(1, dtype=np.int64), 0, release).wait(None)
+            try:  # bounded as on gloo; the release may come up to ``limit`` after rank 0 took the last check-in
+                self.comm.isend(token, 0, check_in).wait(limit)
+                self.comm.irecv(np.empty(1, dtype=np.int64), 0, release).wait(2 * limit)
             except BaseException as exc:  # noqa: BLE001
                 self._note_failure()
                 raise dist.DistBackendError(
@@ -620,14 +625,15 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
             self._coalescing.append(work)
         return work
 
-    def _start_coalescing(self, device=None) -> None:
-        """``_coalescing_manager(group, device)``: the sends and receives issued until ``_end_coalescing``
-        complete together (collectives inside it are coalesced by torch itself)."""
+    def start_coalescing(self) -> None:
+        """``_coalescing_manager(group, device)``: the sends and receives issued until ``end_coalescing``
+        complete together (collectives inside it are coalesced by torch itself). ``supports_coalescing`` stays
+        False, as on gloo, so ``batch_isend_irecv`` issues its operations one by one and returns their Works."""
         if self._coalescing is not None:
-            raise RuntimeError("mpcomm backend: _start_coalescing called twice without _end_coalescing")
+            raise RuntimeError("mpcomm backend: start_coalescing called twice without end_coalescing")
         self._coalescing = []
 
-    def _end_coalescing(self, device=None):
+    def end_coalescing(self):
         works, self._coalescing = self._coalescing or [], None
         for work in works:
             work.wait()
@@ -653,7 +659,7 @@ class ProcessGroupMpcomm(dist.ProcessGroup):
             if owned is not None:
                 owned.Free()
             return
-        warnings.warn(f"mpcomm backend: process group {self._group_name!r} is shut down without freeing its MPI "
+        warnings.warn(f"mpcomm backend: process group {self._name!r} is shut down without freeing its MPI "
                       "communicators: some of its communication failed, or not every rank of the group shut it "
                       "down in time, and a later communicator could otherwise match messages left behind",
                       RuntimeWarning, stacklevel=2)
@@ -667,10 +673,10 @@ _UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maxi
 
 
 def _seconds_or(timeout, default: float) -> float:
-    """A timedelta (or seconds) argument in seconds; ``default`` for None."""
-    if timeout is None:
-        return float(default)
-    return timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    """A timedelta (or seconds) argument in seconds; ``default`` for None or a negative one (torch's "unset")."""
+    seconds = None if timeout is None else (
+        timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout))
+    return float(default) if seconds is None or seconds < 0 else seconds
 
 
 def _run_all(steps) -> None:

@@ -126,7 +126,7 @@ class Lane:
                 future = job.future
                 self._changed.notify_all()
             if future is not None:
-                _complete(future, job)
+                future.set_result(None)
             if until is None:
                 return
 
@@ -141,15 +141,15 @@ class Lane:
                 self._run_queued(until=None)
 
     def future_of(self, job: Job) -> Future:
-        """A torch Future completed (or failed) with the job; made on demand, so jobs nobody asks about have none.
-        Made before the job is done, the thread that finishes the job completes it; after, it is completed here,
-        before anyone can have attached a callback to it."""
+        """A torch Future completed (or failed) with the job. The job's own trigger future is made on demand, so jobs
+        nobody asks about have none; made before the job is done, the thread that finishes the job sets it, after,
+        it is set here. What the caller gets is :func:`outcome` of it."""
         with self._changed:
             if job.future is None:
                 job.future = Future()
                 if job.done:
-                    _complete(job.future, job)
-            return job.future
+                    job.future.set_result(None)
+            return outcome(job.future, lambda: job.result, lambda: job.error)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -169,11 +169,24 @@ class Lane:
 _NEVER = Job(None, None, "")  # never done: _run_queued(until=_NEVER) drains the queue
 
 
-def _complete(future: Future, job: Job) -> None:
-    if job.error is not None:
-        future.set_exception(job.error)
-    else:
-        future.set_result(job.result)
+def outcome(trigger: Future, result: Callable[[], Any], error: Callable[[], BaseException | None]) -> Future:
+    """A Future that, once ``trigger`` is done, holds ``result()`` or fails with ``error()``. The failure is made by
+    raising in a ``then`` callback, which fails the future in C++: ``Future.set_exception`` only stores the exception
+    as the value plus a Python-side flag, which is lost when the future reaches the caller through torch's C++ (there
+    ``wait()`` would return the exception instead of raising it)."""
+    def settle(_):
+        failure = error()
+        if failure is not None:
+            raise failure
+        return result()
+
+    return trigger.then(settle)
+
+
+def _done_future() -> Future:
+    future = Future()
+    future.set_result(None)
+    return future
 
 
 def _seconds(timeout) -> float | None:
@@ -297,14 +310,12 @@ class P2PWork(dist.Work):
         return self._tensors
 
     def get_future(self) -> Future:
-        future = Future()
+        failure = None
         try:
             self.wait()
         except BaseException as exc:  # noqa: BLE001
-            future.set_exception(exc)
-        else:
-            future.set_result(self._tensors)
-        return future
+            failure = exc
+        return outcome(_done_future(), lambda: self._tensors, lambda: failure)
 
     def synchronize(self) -> None:
         self.wait()

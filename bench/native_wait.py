@@ -1,0 +1,100 @@
+"""What the deadline costs the MPI library's own all-reduce, per way of waiting for it, measured in one job.
+
+``mpiexec -n P python bench/native_wait.py [--sizes 8,64,...] [--calls 2000] [--rounds 7] [--json FILE]``
+
+mpcomm bounds every wait, so ``native`` cannot make the blocking MPI call as it is; ``mpcomm.mpi_library`` says
+how it waits on each library. For each size (float32 sum) this times, interleaved round-robin: raw mpi4py
+``Allreduce`` (no deadline: the reference), raw ``Iallreduce`` + ``Test`` loop and a raw persistent request
+(``Allreduce_init``, started per call over its own buffer, with the copies in and out) — what each way costs in
+MPI alone — then ``native`` forced to each of its ways (``[nonblocking]``, ``[persistent]``,
+``[meet+blocking]``), ``native`` as this library's profile chooses, and mpcomm's rhd and ring. A loop's time is
+the slowest rank's; reports the median loop, min-max as the spread, and each contender's ratio to raw
+``Allreduce`` of the same size in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+from mpi4py import MPI
+from small_messages import measure, summarize
+
+from mpcomm import Communicator
+from mpcomm.algorithms import native
+from mpcomm.mpi_library import WAYS, forced, library
+
+SIZES = "8,64,512,4096,32768,262144,2097152,16777216"
+
+
+def contenders(comm: Communicator, buf: np.ndarray) -> dict:
+    world = comm.mpi
+    own = np.empty_like(buf)
+    persistent = world.Allreduce_init(MPI.IN_PLACE, own, MPI.SUM)
+
+    def poll(request):
+        while not request.Test():
+            pass
+
+    def raw_persistent():
+        own[...] = buf
+        persistent.Start()
+        poll(persistent)
+        buf[...] = own
+
+    def native_as(profile):
+        def call():
+            native.library = lambda: profile  # (every rank sets the same: the ways stay paired across ranks)
+            comm.allreduce(buf, algorithm="native")
+        return call
+
+    shipped = library()
+    calls = {
+        "raw Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
+        "raw Iallreduce+Test": lambda: poll(world.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)),
+        "raw persistent+copies": raw_persistent,
+    }
+    for way in WAYS:
+        calls[f"native [{way}]"] = native_as(forced(way))
+    calls[f"native ({shipped.name})"] = native_as(shipped)
+    calls["mpcomm rhd"] = lambda: comm.allreduce(buf, algorithm="rhd")
+    calls["mpcomm ring"] = lambda: comm.allreduce(buf, algorithm="ring")
+    return calls, persistent
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=SIZES, help=f"bytes, comma-separated (default {SIZES})")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per timed loop, at most (fewer for large sizes)")
+    parser.add_argument("--rounds", type=int, default=7, help="round-robin rounds per size")
+    parser.add_argument("--json", help="write the rows here (rank 0)")
+    args = parser.parse_args(argv)
+    comm = Communicator(MPI.COMM_WORLD)
+    rows = []
+    try:
+        for nbytes in (int(s) for s in args.sizes.split(",")):
+            buf = np.zeros(max(1, nbytes // 4), np.float32)  # (zeros: repeated sums stay finite)
+            calls, persistent = contenders(comm, buf)
+            loop = max(5, min(args.calls, (64 << 20) // max(nbytes, 1)))  # ~64 MiB moved per loop at most
+            for row in summarize(measure(comm.mpi, calls, loop, args.rounds), "raw Allreduce"):
+                rows.append({"bytes": nbytes, "calls": loop, **row})
+            persistent.Free()
+    finally:
+        native.library = library
+    if comm.rank == 0:
+        print(f"{comm.size} ranks on {MPI.Get_library_version().splitlines()[0].strip()}; float32 sum; "
+              f"{args.rounds} rounds; us per call, median [min-max] of the rounds, ratio to raw Allreduce")
+        print(f"{'bytes':>9} {'contender':24} {'median':>10} {'spread':>21} {'x raw':>6}")
+        for row in rows:
+            spread = f"[{row['min_us']:.2f}-{row['max_us']:.2f}]"
+            print(f"{row['bytes']:9d} {row['contender']:24} {row['median_us']:10.2f} {spread:>21} {row['ratio']:6.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": comm.size, "library": MPI.Get_library_version().splitlines()[0].strip(),
+                           "rounds": args.rounds, "rows": rows}, f, indent=1)
+    comm.free()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

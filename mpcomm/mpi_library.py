@@ -1,0 +1,70 @@
+"""Which MPI library mpi4py loaded, and how mpcomm waits for that library's all-reduce within its deadline.
+
+Every wait in mpcomm is bounded by the timeout, so ``native`` cannot simply make the blocking MPI call: it issues
+the non-blocking one and polls it. What that costs depends on the library (``bench/results/openmpi.md``): Open
+MPI's non-blocking collectives (libnbc) build a schedule on every call and run behind its blocking ones (tuned,
+han) at every size. Two other ways keep the deadline, and each library uses those that pay there:
+
+* a persistent request (MPI-4 ``MPI_Allreduce_init``) over a buffer of its own, made once per (count, dtype, op)
+  on a transport and started on every call (the input copied in and the result out): the schedule is built once.
+  Making one is a collective call: every rank makes the same ones in the same order, because they follow from
+  the calls' (count, dtype, op), which are the same on every rank.
+* above ``blocking_above`` bytes, the ranks first meet with the deadline (a small non-blocking all-reduce of the
+  call's count, dtype and op, which also catches ranks that disagree on them), then make the blocking call: once
+  every rank is in the same call, only the library itself could keep it from finishing, as with a non-blocking
+  call that has started on every rank. The meeting costs one small all-reduce: it pays for large messages only.
+
+The library is the same on every rank of a job, so every choice made from it is the same on every rank. auto's
+cost model takes its constants for ``native`` from the library's profile too (``cost_model``).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from mpi4py import MPI
+
+from .cuda import vendor
+
+
+@dataclass(frozen=True)
+class Library:
+    """How ``native`` waits on one MPI library, and what auto's cost model charges for it there."""
+
+    name: str
+    persistent_upto: int  # all-reduce of at most this many bytes: a persistent request (0: never)
+    blocking_above: int | None  # all-reduce of more than this many bytes: meet, then the blocking call (None: never)
+    cost_model: tuple = ()  # (field, value) pairs of CostModel that differ on this library (its defaults: MPICH's)
+
+
+PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
+    # Its Iallreduce keeps up with its Allreduce; a persistent request saves a schedule per call until the copies
+    # in and out cost more than that.
+    "mpich": Library("mpich", persistent_upto=4096, blocking_above=None),
+    # libnbc builds a schedule per Iallreduce and runs behind the blocking collectives at every size: persistent
+    # requests while the copies are cheap, then the meeting, which costs less than libnbc's schedule. Its
+    # blocking all-reduce moves bytes faster than mpcomm's ring/rhd on one node, hence the scale below 1.
+    "openmpi": Library("openmpi", persistent_upto=8192, blocking_above=8192, cost_model=(("native_byte_scale", 0.7),)),
+}
+# A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).
+UNKNOWN = Library("unknown", persistent_upto=0, blocking_above=None)
+
+
+@functools.cache
+def library() -> Library:
+    """The profile of the MPI library this process runs on (it cannot change while the process lives)."""
+    return PROFILES.get(vendor(MPI.Get_library_version()), UNKNOWN)
+
+
+# Each way of waiting, as the profile fields that make native take it at every size (benchmarks and tests force
+# each on whichever library they run on).
+WAYS = {
+    "nonblocking": {"persistent_upto": 0, "blocking_above": None},
+    "persistent": {"persistent_upto": 1 << 62, "blocking_above": None},
+    "meet+blocking": {"persistent_upto": 0, "blocking_above": -1},
+}
+
+
+def forced(way: str) -> Library:
+    """This library's profile with native waiting in ``way`` (a key of ``WAYS``) at every size."""
+    return replace(library(), **WAYS[way])
