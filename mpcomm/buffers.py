@@ -21,7 +21,7 @@ _FLOATS = {np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.flo
 _INTS = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)}
 _COMPLEX = {np.dtype(np.complex64), np.dtype(np.complex128)}
 _BOOL = np.dtype(np.bool_)
-_LOW_PRECISION = {np.dtype(np.float16), BFLOAT16}
+LOW_PRECISION = frozenset({np.dtype(np.float16), BFLOAT16})
 
 SUPPORTED_DTYPES = tuple(sorted(_FLOATS | _INTS | _COMPLEX | {_BOOL}, key=str))
 
@@ -106,11 +106,12 @@ def dtype_name(dtype: np.dtype) -> str:
     return str(dtype)
 
 
-def wire_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype a reduction runs in: float16/bfloat16 accumulate in float32 (rounded once at the end),
-    bool runs as uint8 (min/max of 0/1 are and/or), everything else as itself."""
+def wire_dtype(dtype: np.dtype, widen: bool = True) -> np.dtype:
+    """The dtype a reduction runs in: float16/bfloat16 accumulate in float32 (rounded once at the end; with
+    ``widen=False`` the algorithm does that itself and gets them as they are), bool runs as uint8 (min/max of 0/1
+    are and/or), everything else as itself."""
     dtype = np.dtype(dtype)
-    if dtype in _LOW_PRECISION:
+    if dtype in LOW_PRECISION and widen:
         return np.dtype(np.float32)
     if dtype == _BOOL:
         return np.dtype(np.uint8)
@@ -225,5 +226,5 @@ class WorkArray:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None and self.copied:
-            self.array[...] = self.work.reshape(self.array.shape).astype(self.array.dtype, copy=False)
+            self.array[...] = self.work.reshape(self.array.shape)  # (casts in the one copy: no temporary)
         return False

@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import p2p, staging
+from .algorithms import KEEP_LOW_PRECISION
 from .algorithms.auto import Selector
 from .algorithms.chunks import count_matrix
 from .buffers import (
@@ -608,20 +609,22 @@ class Communicator:
         else:
             check_dtype_op(array.dtype, None, operation)
         nbytes = array.nbytes * (self.size if operation in _PER_RANK_BLOCK else 1)  # stats: the whole buffer
-        chosen = self._resolve(operation, algorithm, nbytes, array.dtype)
-        plan = Plan(operation, chosen, array, rop, root, nbytes, host=type(array) is np.ndarray,
-                    wire=wire_dtype(array.dtype) if rop is not None else array.dtype)
+        chosen = self._resolve(operation, algorithm, nbytes, array.dtype, None if rop is None else rop.name)
+        host = type(array) is np.ndarray
+        plan = Plan(operation, chosen, array, rop, root, nbytes, host=host,
+                    wire=wire_dtype(array.dtype, widen=not (host and chosen in KEEP_LOW_PRECISION))
+                    if rop is not None else array.dtype)
         if cacheable:
             if len(self._plans) >= PLAN_CACHE_SIZE:  # shapes that vary (MoE, dynamic batches): the oldest goes
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = plan
         return plan
 
-    def _resolve(self, operation: str, algorithm: str, nbytes: int, dtype) -> str:
+    def _resolve(self, operation: str, algorithm: str, nbytes: int, dtype, op: str | None = None) -> str:
         from .algorithms import REGISTRY
 
         if algorithm == "auto":
-            return self.selector.choose(operation, nbytes, np.dtype(dtype))
+            return self.selector.choose(operation, nbytes, np.dtype(dtype), op)
         if not isinstance(algorithm, str) or algorithm not in REGISTRY[operation]:
             raise ValueError(
                 f"{operation}: unknown algorithm {algorithm!r}; choose one of {sorted(REGISTRY[operation]) + ['auto']}"

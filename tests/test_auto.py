@@ -355,3 +355,35 @@ def test_model_per_byte_costs_are_the_textbook_ones(p):
             assert slope == pytest.approx(want, rel=1e-9), (operation, algorithm, p, slope, want)
             checked += 1
     assert checked >= 9
+
+
+# ------------------------------------------------------------------------------------------ pricing (algorithm, op, dtype)
+PRICED_LAYOUTS = [Layout(2, (2,)), Layout(4, (4,), ranks_per_core=2.0), Layout(4, (2, 2)), Layout(3, (3,))]
+
+
+@pytest.mark.parametrize("layout", PRICED_LAYOUTS, ids=lambda lay: f"{lay.node_sizes}-rpc{lay.ranks_per_core:g}")
+def test_model_prices_each_op_and_dtype(layout):
+    """float16/bfloat16 reductions of 1 MiB and more go through direct (the others get them widened to float32:
+    twice the bytes and numpy's casts); native's float min/max cost more than its sum (the key passes), its int8
+    more per byte than its int32; and
+    direct, priced as the ring, never displaces another algorithm for any other dtype (float32 sum unchanged)."""
+    from mpcomm.buffers import BFLOAT16
+
+    everything = {op: tuple(algs) for op, algs in REGISTRY.items()}
+    without_direct = {op: tuple(a for a in algs if a != "direct") for op, algs in REGISTRY.items()}
+    selector, before = Selector(layout, everything), Selector(layout, without_direct)
+    for dtype in (np.dtype(np.float16), BFLOAT16):
+        for op in ("sum", "prod", "min", "max", "avg"):
+            for operation in ("allreduce", "reduce_scatter"):
+                assert selector.choose(operation, 1 << 20, dtype, op) == "direct", (operation, dtype, op)
+    f32 = np.dtype(np.float32)
+    model = selector.model.for_layout(layout)
+    assert model.call("allreduce", "native", 1 << 16, layout, f32, "max") > \
+        model.call("allreduce", "native", 1 << 16, layout, f32, "sum")
+    assert model.call("allreduce", "native", 1 << 20, layout, np.dtype(np.int8), "sum") > \
+        model.call("allreduce", "native", 1 << 20, layout, np.dtype(np.int32), "sum")  # MPICH's byte loops
+    for dtype in (f32, np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int8)):
+        for op in ("sum", "max", "min", "prod"):
+            for operation in ("allreduce", "reduce_scatter"):
+                for n in (8, 4096, 1 << 16, 1 << 20, 1 << 26):
+                    assert selector.choose(operation, n, dtype, op) == before.choose(operation, n, dtype, op)

@@ -9,7 +9,7 @@ elsewhere; counts and displacements in elements):
 """
 from __future__ import annotations
 
-from . import bruck, hierarchical, native, pairwise, pipelined, rhd, ring, tree
+from . import bruck, direct, hierarchical, native, pairwise, pipelined, rhd, ring, tree
 
 ALLREDUCE = {
     "ring": ring.allreduce,
@@ -17,12 +17,14 @@ ALLREDUCE = {
     "rhd": rhd.allreduce,
     "hierarchical": hierarchical.allreduce,
     "ring_pipelined": pipelined.allreduce,
+    "direct": direct.allreduce,
     "native": native.allreduce,
 }
 REDUCE_SCATTER = {
     "ring": ring.reduce_scatter,
     "rhd": rhd.reduce_scatter,
     "ring_pipelined": pipelined.reduce_scatter,
+    "direct": direct.reduce_scatter,
     "native": native.reduce_scatter,
 }
 ALL_GATHER = {
@@ -57,6 +59,9 @@ ALL_TO_ALL_V = {
     "bruck": bruck.all_to_all_v,
     "native": native.all_to_all_v,
 }
+# Algorithms that take float16/bfloat16 host buffers as they are and accumulate in float32 themselves (the others
+# get the buffer widened to float32 before they run and narrowed after).
+KEEP_LOW_PRECISION = frozenset({"direct"})
 
 REGISTRY = {
     "allreduce": ALLREDUCE,

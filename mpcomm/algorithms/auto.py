@@ -23,8 +23,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import topology
+from ..buffers import AVG, LOW_PRECISION, MAX, MIN
 from ..mpi_library import library
 from ..tuning_table import check_table
+from . import KEEP_LOW_PRECISION
 
 TABLE_FORMAT = "mpcomm-tuning/1"
 STEADY = ("ring", "ring_pipelined")  # algorithms whose every rank talks to the same two peers all call long
@@ -91,6 +93,10 @@ class CostModel:
     defaults are MPICH's; another library's profile replaces them (``mpcomm.mpi_library``: Open MPI's blocking
     all-reduce, which ``native`` makes there for large messages, moves bytes faster than mpcomm's algorithms).
 
+    ``direct`` is priced as the ring: the same bytes and reductions, its p-1 messages posted at once costing about
+    what the ring's p-1 steps do; what sets it apart is that float16/bfloat16 stay 16-bit (:meth:`passes`), so
+    on a tie with the ring (any other dtype) the ring, listed first, is kept.
+
     Defaults are rough guesses for a shared-memory node and a 100 Gb/s-class network, not measurements;
     ``with_network`` puts a measured network in (``Selector.default`` does so when the ranks span hosts).
     Across nodes every algorithm is charged for the bytes each node's link carries (at 2 nodes x 2 ranks:
@@ -106,6 +112,19 @@ class CostModel:
     gamma: float = 1 / 8e9
     native_byte_scale: float = 1.5
     overlap: bool = True
+    # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
+    # buffer, measured with numpy 2.4 / ml_dtypes 0.6 on the development host (2 MiB+ buffers): float16 and
+    # bfloat16 widened to float32 and narrowed back, numpy's casts (float16 ~4x bfloat16: no F16C loops);
+    # one read-modify-write pass (avg's division, one way of native's float keys); direct's compiled float32
+    # reduction of 16-bit parts, per byte read. (native's NaN check after a float sum is in native_byte_scale.)
+    widen_bytes: tuple = (("float16", 2.0e-9), ("bfloat16", 0.45e-9))
+    pass_byte: float = 40e-12
+    kernel16_byte: float = 65e-12
+    # MPICH reduces 1- and 2-byte integers (and bool, as uint8) at about half its per-byte rate for 4- and 8-byte
+    # ones, where numpy's loops do not slow down: native's per-byte cost, for each such item size (p = 2 sweep,
+    # 256 KiB-2 MiB: int8 1.6-2.0x int32's native time, int16 1.3-2.0x; bench/results/dtype_op.md).
+    native_narrow_int_scale: tuple = ((1, 2.0), (2, 1.6))
+    alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
 
     def with_network(self, network: "topology.NetworkMeasurement") -> "CostModel":
         """This model with the measured latency and seconds per byte between nodes."""
@@ -202,7 +221,51 @@ class CostModel:
             return self.hierarchical(n, layout)
         if algorithm == "native":
             return self.native_allreduce(n, layout)
+        if algorithm == "direct":  # priced as the ring (see the class docstring)
+            return self.ring(n, p, crosses, self.alpha_py)
         return math.inf
+
+    def passes(self, operation: str, algorithm: str, nbytes: int, layout: Layout, dtype: np.dtype,
+               op: str | None) -> float:
+        """Seconds of the local passes over a reduction's data that (algorithm, op, dtype) adds to the collective:
+        float16/bfloat16 widened to float32 and back (all but direct; direct's compiled reduction instead),
+        native's float keys for min/max and NaN check after sums, avg's division (of the part each rank finishes).
+        ``nbytes`` is the user's buffer; the wire bytes are :meth:`wire_bytes`."""
+        if op is None or layout.size == 1 or nbytes == 0:
+            return 0.0
+        n, p = float(nbytes), layout.size
+        wire = self.wire_bytes(algorithm, nbytes, dtype, op)
+        total = 0.0
+        if dtype in LOW_PRECISION:
+            if algorithm in KEEP_LOW_PRECISION:
+                total += self.alpha_pass + n * self.kernel16_byte
+            else:
+                total += 2 * self.alpha_pass + n * dict(self.widen_bytes)[str(dtype)]
+        floating = dtype.kind in "fc" or dtype in LOW_PRECISION
+        if algorithm == "native" and floating and op in (MIN, MAX):
+            total += 2 * (self.alpha_pass + wire * self.pass_byte)  # to keys and back
+        if op == AVG:  # native and tree divide the whole vector, the others the part each rank finishes
+            total += self.alpha_pass + wire * self.pass_byte / (1 if algorithm in ("native", "tree") else p)
+        return total
+
+    @staticmethod
+    def wire_bytes(algorithm: str, nbytes: int, dtype: np.dtype | None, op: str | None) -> int:
+        """The bytes ``algorithm`` reduces: float16/bfloat16 widened to float32 by all but direct."""
+        if op is not None and dtype in LOW_PRECISION and algorithm not in KEEP_LOW_PRECISION:
+            return 2 * nbytes
+        return nbytes
+
+    def call(self, operation: str, algorithm: str, nbytes: int, layout: Layout, dtype: np.dtype | None = None,
+             op: str | None = None) -> float:
+        """Predicted seconds of a whole call: the collective on the bytes it moves plus :meth:`passes`."""
+        if dtype is None:
+            return self.collective(operation, algorithm, nbytes, layout)
+        wire = self.wire_bytes(algorithm, nbytes, dtype, op)
+        seconds = self.collective(operation, algorithm, wire, layout)
+        scale = dict(self.native_narrow_int_scale).get(dtype.itemsize, 1.0) if dtype.kind in "iub" else 1.0
+        if algorithm == "native" and op is not None and scale != 1.0:
+            seconds += (scale - 1.0) * (seconds - self.collective(operation, algorithm, 0, layout))
+        return seconds + self.passes(operation, algorithm, nbytes, layout, dtype, op)
 
     def half_allreduce(self, algorithm: str, n: float, layout: Layout) -> float:
         """A reduce-scatter or all-gather across nodes: one half of the all-reduce of the same scheme (ring's and
@@ -213,6 +276,8 @@ class CostModel:
             return self.allreduce(algorithm, n, layout) / 2
         if algorithm == "rhd":
             return self.rhd(n, layout, self.alpha_py) / 2
+        if algorithm == "direct":
+            return self.allreduce("ring", n, layout) / 2
         if algorithm == "native":
             return self._native_scaled(lambda m: self.rhd(m, layout, self.alpha_native), n) / 2
         return math.inf
@@ -250,7 +315,7 @@ class CostModel:
         lg = math.ceil(math.log2(p))
         if operation in ("reduce", "all_to_all", "all_to_all_v"):
             return self._rooted_or_personalized(operation, algorithm, float(nbytes), p, lg, a, b)
-        steps = {"ring": p - 1, "ring_pipelined": p - 1, "rhd": lg, "tree": lg, "native": lg}
+        steps = {"ring": p - 1, "ring_pipelined": p - 1, "direct": p - 1, "rhd": lg, "tree": lg, "native": lg}
         if algorithm not in steps:
             return math.inf
         moved = nbytes * (lg if operation == "broadcast" and algorithm == "tree" else (p - 1) / p)
@@ -314,18 +379,21 @@ class Selector:
         return cls(layout=layout, candidates={op: tuple(algs) for op, algs in REGISTRY.items()}, model=model,
                    network=network)
 
-    def choose(self, operation: str, nbytes: int, dtype) -> str:
-        """The algorithm for this call; decisions are remembered, so a training loop pays for each once."""
-        key = (operation, nbytes, dtype)
+    def choose(self, operation: str, nbytes: int, dtype, op: str | None = None) -> str:
+        """The algorithm for this call (``op``: the reduction's name, None for data movement); decisions are
+        remembered, so a training loop pays for each once."""
+        key = (operation, nbytes, dtype, op)
         name = self._decided.get(key)
         if name is None:
-            name = self._measured(operation, nbytes, np.dtype(dtype)) or self.predict(operation, nbytes)
+            name = (self._measured(operation, nbytes, np.dtype(dtype))
+                    or self.predict(operation, nbytes, dtype=np.dtype(dtype), op=op))
             if len(self._decided) >= MEMO_SIZE:  # a sweep over many sizes: the oldest decision goes
                 del self._decided[next(iter(self._decided))]
             self._decided[key] = name
         return name
 
-    def predict(self, operation: str, nbytes: int, candidates=None) -> str:
+    def predict(self, operation: str, nbytes: int, candidates=None, dtype: np.dtype | None = None,
+                op: str | None = None) -> str:
         """The cost model's choice. Across nodes a ring predicted within ``STEADY_MARGIN`` of the cheapest is
         taken instead: each rank keeps the same two TCP connections busy for the whole call, where schemes that
         change partner every round (rhd, MPICH's native, a tree) start rounds on connections that idled, whose
@@ -334,7 +402,7 @@ class Selector:
         16 MiB, the rings' 1.01-1.06x, two runs), and the model cannot tell such near-ties apart anyway."""
         names = candidates or self.candidates[operation]
         model = self.model.for_layout(self.layout)
-        costs = {a: model.collective(operation, a, nbytes, self.layout) for a in names}
+        costs = {a: model.call(operation, a, nbytes, self.layout, dtype, op) for a in names}
         best = min(costs, key=costs.get)
         if self.layout.num_nodes > 1:
             steady = [a for a in STEADY if costs.get(a, math.inf) <= costs[best] * (1 + STEADY_MARGIN)]

@@ -5,7 +5,8 @@ mpcomm's own algorithms:
 
 * min/max of floats: MPI's MIN/MAX do not propagate NaN, and which of -0.0/+0.0 they return depends on the
   operand order, which differs between ranks. The floats are reduced as integer keys that sort like the
-  floats (NaN mapped to the extreme that wins), which gives numpy's NaN propagation and one answer everywhere.
+  floats (NaN mapped to the extreme that wins; ``mpcomm.kernels``, one pass each way), which gives numpy's NaN
+  propagation and one answer everywhere.
 * sums and products of floats with NaN: the NaN's sign and payload depend on the operand order, which differs
   between ranks in the library's recursive doubling; an all-reduce that produced NaN writes numpy's NaN.
 """
@@ -18,10 +19,10 @@ from mpi4py import MPI
 
 from ..buffers import MAX, MIN, ReduceOp
 from ..errors import CollectiveMismatchError
+from ..kernels import KEY_DTYPES, from_keys, to_keys
 from ..mpi_library import library
 from ..transport import Transport
 
-_KEYS = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
 _MIN_MAX = (MIN, MAX)
 _SMALL = 16  # up to this many elements a NaN is looked for by a sum in Python (see _has_nan)
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
@@ -30,10 +31,10 @@ _PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) o
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
     dtype = buf.dtype
-    if op.name in _MIN_MAX and dtype in _KEYS:
-        keys = _to_keys(buf, op.name)
+    if op.name in _MIN_MAX and dtype in KEY_DTYPES:
+        keys = to_keys(buf, op.name)
         t.wait_one(t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
-        _from_keys(keys, buf)
+        from_keys(keys)
         return
     _allreduce_in_place(t, buf, op)
     if op.divisor != 1:
@@ -48,12 +49,12 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
 
 def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
     """``recvbuf`` on ``root`` <- the reduction (``recvbuf`` may be None elsewhere)."""
-    if op.name in _MIN_MAX and sendbuf.dtype in _KEYS:
-        keys = _to_keys(_copy(t, sendbuf), op.name)
+    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES:
+        keys = to_keys(_copy(t, sendbuf), op.name)
         result = recvbuf.view(keys.dtype) if t.rank == root else None
         t.wait_one(t.mpi.Ireduce(keys, result, op.mpi, root))
         if t.rank == root:
-            _from_keys(result, recvbuf)
+            from_keys(result)
         return
     t.wait_one(t.mpi.Ireduce(sendbuf, recvbuf if t.rank == root else None, op.mpi, root))
     if t.rank == root:
@@ -61,10 +62,10 @@ def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
-    if op.name in _MIN_MAX and sendbuf.dtype in _KEYS:
-        keys = _to_keys(_copy(t, sendbuf), op.name)
+    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES:
+        keys = to_keys(_copy(t, sendbuf), op.name)
         t.wait_one(t.mpi.Ireduce_scatter_block(keys, recvbuf.view(keys.dtype), op.mpi))
-        _from_keys(recvbuf.view(keys.dtype), recvbuf)
+        from_keys(recvbuf.view(keys.dtype))
         return
     t.wait_one(t.mpi.Ireduce_scatter_block(sendbuf, recvbuf, op.mpi))
     op.finish(recvbuf)
@@ -163,22 +164,6 @@ def _copy(t: Transport, array):
     copy = t.scratch("native.keys", array.size, array.dtype, like=array)
     copy[...] = array
     return copy
-
-
-def _to_keys(floats, op: str):
-    """In place: the floats become integers that sort as the floats do, NaN the extreme that ``op`` picks."""
-    bits = floats.view(_KEYS[floats.dtype])
-    magnitude = np.iinfo(bits.dtype).max  # every bit but the sign
-    if _has_nan(floats):
-        np.copyto(bits, -1 if op == MIN else magnitude, where=np.isnan(floats))  # -1: a NaN with the sign bit set
-    bits ^= (bits >> (8 * bits.itemsize - 1)) & magnitude  # negative floats count down (its own inverse)
-    return bits
-
-
-def _from_keys(bits, floats) -> None:
-    """In place: undo :func:`_to_keys` (``floats`` is the float view of ``bits``); NaN becomes numpy's NaN."""
-    bits ^= (bits >> (8 * bits.itemsize - 1)) & np.iinfo(bits.dtype).max
-    _canonical_nans(floats)
 
 
 def _canonical_nans(floats) -> None:

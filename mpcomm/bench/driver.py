@@ -156,13 +156,18 @@ def memcpy_bandwidth(nbytes: int, world: MPI.Comm, budget: float = 0.05, reps: i
     return world.bcast(rate, root=0)
 
 
-def resolved_algorithm(comm, operation: str, nbytes: int, dtype) -> str | None:
-    """What "auto" picks for this call, where the selector says so (None otherwise)."""
+def resolved_algorithm(comm, operation: str, nbytes: int, dtype, redop: str | None = None) -> str | None:
+    """What "auto" picks for this call (``redop``: a reduction's op), where the selector says so (None otherwise)."""
     selector = getattr(comm, "selector", None)
     try:
-        return str(selector.choose(operation, nbytes, np.dtype(dtype)))
+        return str(selector.choose(operation, nbytes, np.dtype(dtype), redop))
     except Exception:  # noqa: BLE001 - informative only; a selector with another interface is fine
         return None
+
+
+def _reduction(cls, redop: str) -> str | None:
+    """The op of a reducing collective's calls (what auto's choice depends on), None for data movement."""
+    return redop if cls.operation_name() in ("allreduce", "reduce_scatter", "reduce") else None
 
 
 def timed_algorithms(operation: str, algorithms: list[str]) -> list[str]:
@@ -265,7 +270,8 @@ def _row(plan, cls, comm, size, count, dtype, redop, algorithm, timing: Timing, 
         "redop": redop,
         "root": plan.root if cls.rooted else None,
         "algorithm": algorithm,
-        "resolved": resolved_algorithm(comm, cls.operation_name(), size, dtype) if algorithm == "auto" else algorithm,
+        "resolved": (resolved_algorithm(comm, cls.operation_name(), size, dtype, _reduction(cls, redop))
+                     if algorithm == "auto" else algorithm),
         "time_us": seconds * 1e6,
         "algbw": algbw,
         "busbw": algbw * cls.busbw_factor(comm.size),

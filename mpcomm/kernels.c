@@ -1,0 +1,129 @@
+/* mpcomm's compiled reduction kernels (built on first use by mpcomm/kernels.py, loaded with ctypes).
+ *
+ * reduce16: float16 / bfloat16 chunks combined in float32 and rounded once, in one pass over the inputs.
+ * float_keys / from_keys: float32 / float64 as integers that sort like the floats (MPI's integer MIN/MAX then
+ * give numpy's NaN propagation and one answer on every rank), in one pass each way.
+ * Every conversion is bitwise the one numpy / ml_dtypes make (round to nearest even; NaN stays NaN).
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+enum { SUM = 0, PROD = 1, MIN = 2, MAX = 3 };
+enum { FLOAT16 = 0, BFLOAT16 = 1 };
+#define BLOCK 512 /* elements per pass of the float32 accumulator: it stays in L1 */
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN: quiet, sign kept */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);                  /* round to nearest even */
+}
+
+static inline float from_f16(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+}
+
+static inline uint16_t to_f16(float f) {
+    _Float16 x = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &x, 2);
+    return h;
+}
+
+static void widen(int kind, const uint16_t *src, float *acc, int64_t m) {
+    int64_t i = 0;
+#ifdef __F16C__
+    if (kind == FLOAT16)
+        for (; i + 8 <= m; i += 8) _mm256_storeu_ps(acc + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < m; i++) acc[i] = kind == BFLOAT16 ? from_bf16(src[i]) : from_f16(src[i]); /* (unswitched by -O3) */
+}
+
+static void narrow(int kind, const float *acc, uint16_t *dst, int64_t m) {
+    int64_t i = 0;
+    if (kind == BFLOAT16) {
+        for (; i < m; i++) dst[i] = to_bf16(acc[i]);
+        return;
+    }
+#ifdef __F16C__
+    for (; i + 8 <= m; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(acc + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < m; i++) dst[i] = to_f16(acc[i]);
+}
+
+static void combine(int op, float *acc, const float *x, int64_t m) {
+    int64_t i;
+    switch (op) {
+    case SUM: for (i = 0; i < m; i++) acc[i] += x[i]; break;
+    case PROD: for (i = 0; i < m; i++) acc[i] *= x[i]; break;
+    /* numpy's minimum / maximum: a NaN in either operand wins, the first operand on ties (-0.0 vs 0.0) */
+    case MIN: for (i = 0; i < m; i++) acc[i] = (acc[i] <= x[i] || acc[i] != acc[i]) ? acc[i] : x[i]; break;
+    case MAX: for (i = 0; i < m; i++) acc[i] = (acc[i] >= x[i] || acc[i] != acc[i]) ? acc[i] : x[i]; break;
+    }
+}
+
+/* out[i] <- round((((chunks[0][i] op chunks[1][i]) op chunks[2][i]) ...) / divisor) with float32 in between.
+ * out may be one of the chunks: each block is read whole before it is written. */
+void reduce16(int kind, int op, const uint16_t *const *chunks, int count, int64_t n, float divisor, uint16_t *out) {
+    float acc[BLOCK], x[BLOCK];
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int64_t m = n - start < BLOCK ? n - start : BLOCK;
+        widen(kind, chunks[0] + start, acc, m);
+        for (int k = 1; k < count; k++) {
+            widen(kind, chunks[k] + start, x, m);
+            combine(op, acc, x, m);
+        }
+        if (divisor != 1.0f)
+            for (int64_t i = 0; i < m; i++) acc[i] /= divisor;
+        narrow(kind, acc, out + start, m);
+    }
+}
+
+/* In place: float bits become keys that sort as the floats do; NaN becomes the key that `op` (MIN/MAX) picks. */
+void float_keys32(int32_t *bits, int64_t n, int op) {
+    const int32_t nan_key = op == MAX ? INT32_MAX : INT32_MIN;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t b = bits[i];
+        int32_t key = b ^ ((b >> 31) & INT32_MAX); /* negative floats count down */
+        bits[i] = (b & INT32_MAX) > 0x7f800000 ? nan_key : key;
+    }
+}
+
+void float_keys64(int64_t *bits, int64_t n, int op) {
+    const int64_t nan_key = op == MAX ? INT64_MAX : INT64_MIN;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t b = bits[i];
+        int64_t key = b ^ ((b >> 63) & INT64_MAX);
+        bits[i] = (b & INT64_MAX) > 0x7ff0000000000000LL ? nan_key : key;
+    }
+}
+
+/* In place: undo float_keys; every NaN becomes numpy's nan (the same bits on every rank). */
+void from_keys32(int32_t *bits, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t k = bits[i];
+        int32_t b = k ^ ((k >> 31) & INT32_MAX);
+        bits[i] = (b & INT32_MAX) > 0x7f800000 ? 0x7fc00000 : b;
+    }
+}
+
+void from_keys64(int64_t *bits, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t k = bits[i];
+        int64_t b = k ^ ((k >> 63) & INT64_MAX);
+        bits[i] = (b & INT64_MAX) > 0x7ff0000000000000LL ? 0x7ff8000000000000LL : b;
+    }
+}

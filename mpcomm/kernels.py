@@ -1,0 +1,181 @@
+"""Reduction kernels off float32 ``sum``'s path: float16/bfloat16 combined in float32 and rounded once, and floats
+as integer keys that sort like them (for the MPI library's MIN/MAX).
+
+numpy has no fused form of either: its float16 casts run at ~1 ns per element on x86 without F16C loops, and
+each step of a key mapping is a pass over the data. ``kernels.c`` does each in one pass; it is compiled on first
+use with the C compiler (``CC``, else Python's, else ``cc``) for this CPU into ``<sys.prefix>/mpcomm-kernels``
+(or ``~/.cache/mpcomm`` if that is not writable), named by a hash of its source, flags and CPU, and loaded with
+ctypes. Without a compiler, or with ``MPCOMM_KERNELS=0``, the numpy forms below run instead: the same results,
+bit for bit, slower (a failed build warns once, naming why).
+
+    python -c "from mpcomm import kernels; print(kernels.build())"     # build now (raises, saying why, if it cannot)
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import warnings
+
+import numpy as np
+
+from .buffers import AVG, BFLOAT16, MAX, MIN, PROD, SUM, ReduceOp
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
+SWITCH = "MPCOMM_KERNELS"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+_FLOAT16 = np.dtype(np.float16)
+_KINDS = {_FLOAT16: 0, BFLOAT16: 1}  # kernels.c: FLOAT16, BFLOAT16
+_OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, AVG: 0}  # kernels.c: SUM, PROD, MIN, MAX (avg: a sum, then divided)
+KEY_DTYPES = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
+_CANONICAL_NAN = {np.dtype(np.int32): 0x7FC00000, np.dtype(np.int64): 0x7FF8000000000000}  # numpy's nan's bits
+LOADED = "loaded"  # the ``kernels`` argument that means load()'s (None: numpy's forms)
+
+
+class Kernels:
+    """The compiled library's functions, typed for ctypes."""
+
+    def __init__(self, library: ctypes.CDLL):
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self.library = library  # (kept: the functions live as long as it does)
+        self.reduce16 = library.reduce16
+        self.reduce16.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(pointer), ctypes.c_int, size,
+                                  ctypes.c_float, pointer]
+        self.keys = {np.dtype(np.int32): library.float_keys32, np.dtype(np.int64): library.float_keys64}
+        self.unkeys = {np.dtype(np.int32): library.from_keys32, np.dtype(np.int64): library.from_keys64}
+        for fn in self.keys.values():
+            fn.argtypes = [pointer, size, ctypes.c_int]
+        for fn in self.unkeys.values():
+            fn.argtypes = [pointer, size]
+        for fn in (self.reduce16, *self.keys.values(), *self.unkeys.values()):
+            fn.restype = None
+
+
+@functools.cache
+def load() -> Kernels | None:
+    """The compiled kernels, or None (switched off, or they cannot be built here: warned once)."""
+    if os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        return Kernels(ctypes.CDLL(build()))
+    except Exception as exc:  # noqa: BLE001 (a compiler's or loader's failure has no common type)
+        warnings.warn(f"mpcomm: float16/bfloat16 reductions and float min/max keys run through numpy (slower): the "
+                      f"C kernels could not be built ({type(exc).__name__}: {str(exc).strip()[:300]}); set "
+                      f"{SWITCH}=0 to skip them", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def build(source: str | None = None, directory: str | None = None) -> str:
+    """Compile ``source`` (C text; default ``kernels.c``) unless a build of it is cached; the library's path."""
+    text = open(SOURCE).read() if source is None else source
+    compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    key = hashlib.sha256("\0".join([text, *compiler, *FLAGS, platform.machine(), _cpu_flags()]).encode())
+    directory = directory or cache_directory()
+    path = os.path.join(directory, f"kernels-{key.hexdigest()[:20]}.so")
+    if os.path.exists(path):
+        return path
+    fd, scratch = tempfile.mkstemp(dir=directory, suffix=".c")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    built = scratch[:-2] + ".so"
+    try:
+        done = subprocess.run([*compiler, *FLAGS, "-o", built, scratch], capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()}")
+        os.replace(built, path)  # atomic: ranks building at once each rename a complete library
+    finally:
+        for leftover in (scratch, built):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    return path
+
+
+def cache_directory() -> str:
+    """``<sys.prefix>/mpcomm-kernels`` if it can be written, else ``~/.cache/mpcomm``."""
+    for path in (os.path.join(sys.prefix, "mpcomm-kernels"), os.path.join(os.path.expanduser("~"), ".cache", "mpcomm")):
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK):
+            return path
+    return tempfile.gettempdir()
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (a build for one CPU is not loaded on another that shares the directory)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------- the kernels
+def _address(array) -> int:
+    """Where a host array's data starts (through the buffer protocol: a tenth of ``array.ctypes.data``'s cost,
+    which shows on small messages; that for read-only or empty arrays, which it refuses)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError):
+        return array.ctypes.data
+
+
+def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | str | None = LOADED) -> None:
+    """``out`` <- ``chunks[0] op chunks[1] op ...`` in that order, finished (avg: divided); float16/bfloat16 in
+    float32, rounded once. ``out`` may be ``chunks[0]`` (host arrays; any dtype; chunks of ``out``'s size)."""
+    if out.size == 0:
+        return
+    kind = _KINDS.get(out.dtype)
+    if kernels is LOADED:
+        kernels = load() if kind is not None and type(out) is np.ndarray else None
+    if kind is not None and kernels is not None:
+        pointers = (ctypes.c_void_p * len(chunks))(*map(_address, chunks))
+        kernels.reduce16(kind, _OPS[op.name], pointers, len(chunks), out.size, float(op.divisor), _address(out))
+        return
+    if kind is not None:  # numpy: float32 in between
+        wide = chunks[0].astype(np.float32)
+        for chunk in chunks[1:]:
+            op(wide, chunk.astype(np.float32))
+        op.finish(wide)
+        out[...] = wide
+        return
+    if out is not chunks[0]:
+        out[...] = chunks[0]
+    for chunk in chunks[1:]:
+        op(out, chunk)
+    op.finish(out)
+
+
+def to_keys(floats, op: str, kernels: Kernels | str | None = LOADED):
+    """In place: float32/float64 ``floats`` become integers that sort as they do, NaN the extreme ``op`` (min or
+    max) picks; returns the integer view."""
+    bits = floats.view(KEY_DTYPES[floats.dtype])
+    kernels = load() if kernels is LOADED else kernels
+    if kernels is not None:
+        kernels.keys[bits.dtype](_address(bits), bits.size, _OPS[op])
+        return bits
+    magnitude = np.iinfo(bits.dtype).max  # every bit but the sign
+    nans = np.isnan(floats)
+    bits ^= (bits >> (8 * bits.itemsize - 1)) & magnitude  # negative floats count down (its own inverse)
+    np.copyto(bits, magnitude if op == MAX else np.iinfo(bits.dtype).min, where=nans)
+    return bits
+
+
+def from_keys(bits, kernels: Kernels | str | None = LOADED) -> None:
+    """In place: undo :func:`to_keys`; every NaN becomes numpy's ``nan`` (the same bits on every rank)."""
+    kernels = load() if kernels is LOADED else kernels
+    if kernels is not None:
+        kernels.unkeys[bits.dtype](_address(bits), bits.size)
+        return
+    bits ^= (bits >> (8 * bits.itemsize - 1)) & np.iinfo(bits.dtype).max
+    floats = bits.view({4: np.float32, 8: np.float64}[bits.itemsize])
+    np.copyto(bits, _CANONICAL_NAN[bits.dtype], where=np.isnan(floats))
+
