@@ -96,7 +96,8 @@ soak: $(STAMP)
 # without its MPICH dependency, as the README's "system MPI" install. Serial, then the multi-rank tests under
 # Open MPI's mpiexec: all of them at each of OMPI_RANKS, and at each of OMPI_LIBRARY_RANKS those of what the MPI
 # library itself does (OMPI_LIBRARY_TESTS: every collective and algorithm against numpy, native's ways of waiting,
-# timeouts, non-blocking collectives, point to point, errors), which CI runs at 3 ranks to save time (4: by hand).
+# timeouts, non-blocking collectives, point to point, errors), which CI runs at 2 and 3 ranks to save time (the
+# whole suite at 2/3/4: by hand, the default).
 # Its mpiexec (PRRTE) refuses to run as root without the OMPI_ALLOW_* pair (CI containers run as root) and more
 # ranks than cores without :oversubscribe (3 and 4 ranks on 2 cores).
 OMPI_VENV  ?= .venv-ompi
