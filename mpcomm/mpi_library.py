@@ -38,14 +38,14 @@ class Library:
 
 
 PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
-    # Its Iallreduce keeps up with its Allreduce; a persistent request saves a schedule per call until the copies
-    # in and out cost more than that.
-    "mpich": Library("mpich", persistent_upto=4096, blocking_above=None),
-    # libnbc builds a schedule per Iallreduce: persistent requests while the copies are cheap. The meeting +
+    # Persistent requests are off on both until two calls of one (count, dtype, op) in flight at once (a
+    # non-blocking collective beside a blocking one) get requests of their own: sharing one deadlocked them.
+    "mpich": Library("mpich", persistent_upto=0, blocking_above=None),
+    # libnbc builds a schedule per Iallreduce (persistent requests would save it; off, see above). The meeting +
     # blocking call (faster on an idle node) is off until it is measured on a quiet one: oversubscribed, Open MPI's
     # blocking call ran 2.5x slower than the polled one. Its blocking all-reduce moves bytes faster than mpcomm's
     # ring/rhd on one node, hence the scale below 1.
-    "openmpi": Library("openmpi", persistent_upto=8192, blocking_above=None, cost_model=(("native_byte_scale", 0.7),)),
+    "openmpi": Library("openmpi", persistent_upto=0, blocking_above=None, cost_model=(("native_byte_scale", 0.7),)),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).
 UNKNOWN = Library("unknown", persistent_upto=0, blocking_above=None)
