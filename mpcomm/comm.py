@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 import threading
 import time
 import warnings
@@ -21,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from . import p2p, staging
+from . import p2p, staging, trace
 from .algorithms import KEEP_LOW_PRECISION
 from .algorithms.auto import Selector
 from .algorithms.chunks import count_matrix
@@ -123,6 +124,8 @@ class Communicator:
         self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
         self._plans: dict = {}
         self._plans_generation = 0  # counts the times auto's choices changed (a table loaded): plans made again
+        recorder = trace.recorder(settings.trace_buffer)
+        self._trace = recorder.group(base, self.timeout) if recorder is not None else None
         self.selector = Selector.default(self, probe=settings.network_probe)
         if settings.tuning_file:
             self.load_tuning(settings.tuning_file, missing_ok=True)
@@ -164,6 +167,14 @@ class Communicator:
                 record["bytes"] += nbytes
                 record["seconds"] += seconds
         return out
+
+    def dump_trace(self, path: str | None = None) -> str:
+        """Write this rank's flight-recorder dump (its last ``MPCOMM_TRACE_BUFFER`` calls on every Communicator of
+        the process) into the directory ``path`` (default ``MPCOMM_TRACE_DIR``, see ``mpcomm.trace``); returns
+        the file written. Local: it never waits for another rank. ``python -m mpcomm.trace DIR`` reads them."""
+        if self._trace is None:
+            raise MpcommError(f"rank {self.rank}: dump_trace: the flight recorder is off (MPCOMM_TRACE_BUFFER=0)")
+        return self._trace.recorder.dump("dump_trace()", path, frame=sys._getframe(1))
 
     def reset_stats(self) -> None:
         for t in (self._sync, self._async):
@@ -517,11 +528,16 @@ class Communicator:
             if self._inline is not None and t is self._sync:
                 self._inline.run_until(None)
             t.operation = plan.label
+            trace = self._trace  # the flight recorder (mpcomm.trace): None when off
+            if trace is not None:
+                slot = trace.started(plan)
             if self.validate:
                 self._agree(t, plan, counts)
             start = _clock()
             plan.fn(t, *args)
             elapsed = _clock() - start
+            if trace is not None:
+                trace.completed(slot)
             if self._unusable is not None:  # made unusable while this ran (another thread joined in)
                 raise MpcommError(f"rank {self.rank}: {plan.label}: {self._unusable}; this result may be wrong")
         except CollectiveMismatchError:  # the ranks compared their calls and stopped cleanly: nothing in flight
@@ -554,6 +570,8 @@ class Communicator:
     def _stopped_midway(self, plan: Plan, exc: Exception) -> None:
         if self._unusable is None:
             self._unusable = f"{plan.label} stopped midway ({type(exc).__name__}: {exc})"
+            if self._trace is not None:
+                self._trace.recorder.dump_quietly(f"{type(exc).__name__} in {plan.label} (rank {self.rank})")
 
     def _concurrent_use(self, plan: Plan) -> None:
         """A second thread called a collective while one runs: the order of calls can differ between ranks,

@@ -15,6 +15,7 @@ from numbers import Integral, Real
 import numpy as np
 
 from .errors import ConfigError
+from .trace.recorder import DEFAULT_BUFFER as DEFAULT_TRACE_BUFFER
 
 DEFAULT_TIMEOUT = 30.0
 # Below this no exchange can complete (one scheduler time slice is longer): such a timeout only breaks the job.
@@ -37,6 +38,7 @@ class Settings:
     network_probe: bool = True
     staging_chunk: int = 0  # bytes per message of a staged device transfer (both ends must cut alike); 0: default
     cuda_aware: str = ""  # MPCOMM_CUDA_AWARE: direct or staged device transfers send different messages
+    trace_buffer: int = 0  # MPCOMM_TRACE_BUFFER: calls the flight recorder keeps (0: off); see mpcomm.trace
 
     @classmethod
     def resolve(cls, timeout=None, validate=None, ranks_per_node=None) -> "Settings":
@@ -51,6 +53,7 @@ class Settings:
             network_probe=(_env("MPCOMM_NETWORK_PROBE") or "1").lower() not in _FALSE,
             staging_chunk=_staging_chunk(),
             cuda_aware=(_env("MPCOMM_CUDA_AWARE") or "").lower(),
+            trace_buffer=_env_count("MPCOMM_TRACE_BUFFER", DEFAULT_TRACE_BUFFER),
         )
 
 
@@ -78,6 +81,7 @@ _SOURCES = {  # where each setting comes from, for the error that says the ranks
     "network_probe": "MPCOMM_NETWORK_PROBE",
     "staging_chunk": "MPCOMM_STAGING_CHUNK",
     "cuda_aware": "MPCOMM_CUDA_AWARE",
+    "trace_buffer": "MPCOMM_TRACE_BUFFER",
 }
 
 
@@ -143,6 +147,19 @@ def _env_positive_int(name: str, what: str) -> int | None:
         raise ConfigError(f"{name}={value!r}: expected an int >= 1 ({what})") from None
     if number < 1:
         raise ConfigError(f"{name}={value!r}: {what} must be >= 1, got {number}")
+    return number
+
+
+def _env_count(name: str, default: int) -> int:
+    value = _env(name)
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected an int >= 0") from None
+    if number < 0:
+        raise ConfigError(f"{name}={value!r}: must be >= 0 (0 turns it off), got {number}")
     return number
 
 
