@@ -371,21 +371,46 @@ class Communicator:
 
     # ------------------------------------------------------------------ point to point
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
-        p2p.send(self._channels("send"), buf, dst, tag, self._payload_transport)
+        self._traced("send", dst, buf, p2p.send, self._channels("send"), buf, dst, tag, self._payload_transport)
 
     def recv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Any:
         """Receive into ``buf`` from ``src`` (``ANY_SOURCE``: whoever sends) with ``tag`` (or ``ANY_TAG``);
         returns ``buf``. ``status``, if given, is filled with the matched source, tag and element count."""
-        return p2p.recv(self._channels("recv"), buf, src, tag, status, self._payload_transport)
+        return self._traced("recv", src, buf, p2p.recv, self._channels("recv"), buf, src, tag, status,
+                            self._payload_transport)
 
     def isend(self, buf: Any, dst: int, tag: int = 0) -> Work:
         channels = self._channels("send")
-        return p2p.isend(channels, self._payload_transport(channels, "send", buf), buf, dst, tag)
+        work = p2p.isend(channels, self._payload_transport(channels, "send", buf), buf, dst, tag)
+        if self._trace is not None:  # (completed once a wait of the program saw it complete)
+            self._trace.started_p2p("send", dst, buf, work)
+        return work
 
     def irecv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Work:
         """Start a receive; the Work's ``source`` and ``tag`` say what it matched once it has completed."""
         channels = self._channels("recv")
-        return p2p.irecv(channels, self._payload_transport(channels, "recv", buf), buf, src, tag, status)
+        work = p2p.irecv(channels, self._payload_transport(channels, "recv", buf), buf, src, tag, status)
+        if self._trace is not None:
+            self._trace.started_p2p("recv", src, buf, work)
+        return work
+
+    def _traced(self, operation: str, peer, buf, call, *args):
+        """``call(*args)``, a blocking point-to-point call, recorded in the flight recorder (dumped if it times
+        out)."""
+        trace = self._trace
+        if trace is None:
+            return call(*args)
+        slot = trace.started_p2p(operation, peer, buf)
+        try:
+            result = call(*args)
+        except CommTimeoutError:
+            trace.recorder.dump_quietly(f"CommTimeoutError in {operation} with rank {peer} (rank {self.rank})")
+            raise
+        except BaseException:
+            trace.completed(slot, _clock())  # refused or failed: no longer in flight
+            raise
+        trace.completed(slot, _clock())
+        return result
 
     def sendrecv(self, sendbuf: Any, dst: int, recvbuf: Any, src: int, tag: int = 0) -> Any:
         receiving = self.irecv(recvbuf, src, tag)
@@ -528,16 +553,17 @@ class Communicator:
             if self._inline is not None and t is self._sync:
                 self._inline.run_until(None)
             t.operation = plan.label
-            trace = self._trace  # the flight recorder (mpcomm.trace): None when off
+            start, trace = _clock(), self._trace  # the flight recorder (mpcomm.trace): None when off
             if trace is not None:
-                slot = trace.started(plan)
+                slot = trace.started(plan, start)
             if self.validate:
                 self._agree(t, plan, counts)
-            start = _clock()
+                start = _clock()  # (stats time the algorithm alone)
             plan.fn(t, *args)
-            elapsed = _clock() - start
+            end = _clock()
+            elapsed = end - start
             if trace is not None:
-                trace.completed(slot)
+                trace.completed(slot, end)
             if self._unusable is not None:  # made unusable while this ran (another thread joined in)
                 raise MpcommError(f"rank {self.rank}: {plan.label}: {self._unusable}; this result may be wrong")
         except CollectiveMismatchError:  # the ranks compared their calls and stopped cleanly: nothing in flight

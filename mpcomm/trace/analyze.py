@@ -64,13 +64,35 @@ def load(directory: str) -> dict[int, dict]:
             entries, groups = dump["entries"], dump["pg_config"]
             if not isinstance(entries, list) or not isinstance(groups, dict):
                 raise TypeError("entries is not a list or pg_config not a dict")
-        except (OSError, pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError,
-                ImportError, IndexError) as exc:
+        except Exception as exc:  # (whatever unpickling a stray file raises: it is not a dump)
             raise TraceError(f"{path}: not a flight-recorder dump ({type(exc).__name__}: {exc})") from None
         dumps[int(matched.group(1))] = dump
     if not dumps:
         raise TraceError(f"{directory!r} holds no flight-recorder dumps ({FILE_PREFIX}<rank> files)")
     return dumps
+
+
+def write_for_torch(dumps: dict[int, dict], directory: str, backend: str = "gloo") -> list[str]:
+    """Copies of ``dumps`` in ``directory`` that torch's analyzer (``python -m
+    torch.distributed.flight_recorder.fr_trace``) reads: it accepts only its own backends' names before the
+    ``:`` of an operation's name, so "mpcomm:all_reduce" becomes "gloo:all_reduce" (gloo is torch's CPU
+    backend; the rest of the dump is already torch's layout). Returns the files written."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise TraceError(f"cannot make {directory!r}: {exc}") from None
+    written = []
+    for rank, dump in sorted(dumps.items()):
+        entries = [{**e, "profiling_name": f"{backend}:{e['profiling_name'].split(':', 1)[-1]}"}
+                   for e in dump["entries"]]
+        path = os.path.join(directory, f"{FILE_PREFIX}{rank}")
+        try:
+            with open(path, "wb") as f:
+                pickle.dump({**dump, "entries": entries}, f)
+        except OSError as exc:
+            raise TraceError(f"cannot write {path!r}: {exc}") from None
+        written.append(path)
+    return written
 
 
 def analyze(dumps: dict[int, dict]) -> Report:

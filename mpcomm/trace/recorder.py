@@ -130,19 +130,20 @@ class FlightRecorder:
     def _entry(self, entry: tuple, end: float, stacks: dict, names: dict) -> dict:
         record_id, group, seq, p2p_seq, what, start, thread = entry
         operation, algorithm, nbytes, inputs, outputs, dtype, extra, peer = _describe(what, group)
+        seen_done = type(what) is tuple and getattr(what[-1], "_done", False)  # a Work whose wait saw it done
         is_p2p = operation in ("send", "recv")
         name = _TORCH_NAMES.get(operation) or _bare_name(what)
         if is_p2p:  # torch's "send 0->1" / "recv 1<-0", in the communicator's ranks
             name = f"{name} {group.rank}->{peer}" if operation == "send" else f"{name} {group.rank}<-{peer}"
         started_ns = self._epoch_ns + int(start * 1e9)
-        done = end > 0.0
+        done = end > 0.0 or seen_done  # (a Work's: when it completed is not known, only that it did)
         return {
             "record_id": record_id, "pg_id": group.pg_id, "process_group": (group.name, group.desc),
             "collective_seq_id": seq, "p2p_seq_id": p2p_seq, "op_id": record_id,
             "profiling_name": f"mpcomm:{name}", "time_created_ns": started_ns,
             "time_discovered_started_ns": started_ns,
-            "time_discovered_completed_ns": self._epoch_ns + int(end * 1e9) if done else 0,
-            **({"duration_ms": (end - start) * 1e3} if done else {}),
+            "time_discovered_completed_ns": self._epoch_ns + int(end * 1e9) if end > 0.0 else 0,
+            **({"duration_ms": (end - start) * 1e3} if end > 0.0 else {}),
             "input_sizes": inputs, "input_dtypes": [dtype] * len(inputs),
             "output_sizes": outputs, "output_dtypes": [dtype] * len(outputs),
             "state": "completed" if done else "started", "retired": done,
@@ -169,28 +170,31 @@ class GroupTrace:
         self._entries, self._ends, self._ids, self._capacity = (recorder.entries, recorder.ends, recorder.ids,
                                                                 recorder.capacity)
 
-    def started(self, plan) -> int:
-        """Record the start of a collective run by ``plan``; returns the slot for :meth:`completed`."""
+    def started(self, plan, start: float) -> int:
+        """Record that a collective run by ``plan`` started at ``start`` (``time.perf_counter()``, the caller's
+        own reading: one clock call less); returns the slot for :meth:`completed`."""
         seq = self.collectives = self.collectives + 1
         record_id = next(self._ids)
         slot = record_id % self._capacity
         self._ends[slot] = 0.0
-        self._entries[slot] = (record_id, self, seq, self.p2p, plan, _clock(), _thread_id())
+        self._entries[slot] = (record_id, self, seq, self.p2p, plan, start, _thread_id())
         return slot
 
-    def started_p2p(self, operation: str, peer: int, array) -> int:
-        """Record the start of a ``send`` / ``recv`` of ``array`` with ``peer``."""
+    def started_p2p(self, operation: str, peer, array, work=None) -> int:
+        """Record the start of a ``send`` / ``recv`` of ``array`` with ``peer``; ``work``: the Work of a
+        non-blocking one, completed in the dump once a wait saw it done."""
         seq = self.p2p = self.p2p + 1
         record_id = next(self._ids)
         slot = record_id % self._capacity
         self._ends[slot] = 0.0
-        what = (operation, peer, tuple(getattr(array, "shape", ())), str(getattr(array, "dtype", "")),
-                int(getattr(array, "nbytes", 0)))
+        what = (operation, peer if type(peer) is int else -1, tuple(getattr(array, "shape", ())), str(getattr(array, "dtype", "")),
+                int(getattr(array, "nbytes", 0)), work)
         self._entries[slot] = (record_id, self, self.collectives, seq, what, _clock(), _thread_id())
         return slot
 
-    def completed(self, slot: int) -> None:
-        self._ends[slot] = _clock()
+    def completed(self, slot: int, end: float) -> None:
+        """Record that the call of :meth:`started`'s ``slot`` completed at ``end`` (``time.perf_counter()``)."""
+        self._ends[slot] = end
 
     def status(self) -> dict:
         return {"last_enqueued_collective": self.collectives, "last_started_collective": self.collectives,
@@ -199,8 +203,8 @@ class GroupTrace:
 
 def _describe(what, group: GroupTrace):
     """(operation, algorithm, bytes, input sizes, output sizes, dtype, extra keys, peer) of a recorded call."""
-    if type(what) is tuple:  # point to point: (operation, peer, shape, dtype, bytes)
-        operation, peer, shape, dtype, nbytes = what
+    if type(what) is tuple:  # point to point: (operation, peer, shape, dtype, bytes, Work or None)
+        operation, peer, shape, dtype, nbytes, _ = what
         sizes = [list(shape)]
         return operation, "p2p", nbytes, sizes if operation == "send" else [], \
             sizes if operation == "recv" else [], dtype, {}, peer
