@@ -3,7 +3,8 @@
 ``mpiexec -n P python bench/small_messages.py [--calls 3000] [--rounds 7] [--json FILE]``
 
 For each size (8 B .. 4 KiB) and each contender — raw ``MPI.Comm.Allreduce``, raw ``Iallreduce`` + ``Test``
-loop (what a bounded wait costs in MPI alone), ``comm.allreduce`` with ``auto``/``native``/``tree`` — times a
+loop (what a bounded wait costs in MPI alone), ``comm.allreduce`` with ``auto``/``native``/``tree`` (and, marked
+``no trace``, on a Communicator with the flight recorder off: the recorder's cost is the difference) — times a
 loop of ``--calls`` calls after a barrier, round-robin over the contenders, ``--rounds`` times (so load drift
 hits all alike); a loop's time is the maximum over ranks. Reports the median loop (and min/max as the spread)
 in microseconds per call, and each contender's ratio to raw ``Allreduce`` of the same size in the same run.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -24,7 +26,8 @@ from mpcomm import Communicator
 SIZES = [8, 64, 512, 4096]
 
 
-def allreduce_contenders(comm: Communicator, buf: np.ndarray) -> dict:
+def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.ndarray) -> dict:
+    """``untraced``: a Communicator with the flight recorder off, for the recorder's cost in the same run."""
     world = comm.mpi
 
     def iallreduce_test():
@@ -36,12 +39,27 @@ def allreduce_contenders(comm: Communicator, buf: np.ndarray) -> dict:
         "raw Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
         "raw Iallreduce+Test": iallreduce_test,
         "mpcomm auto": lambda: comm.allreduce(buf),
+        "mpcomm auto, no trace": lambda: untraced.allreduce(buf),
         "mpcomm native": lambda: comm.allreduce(buf, algorithm="native"),
+        "mpcomm native, no trace": lambda: untraced.allreduce(buf, algorithm="native"),
         "mpcomm tree": lambda: comm.allreduce(buf, algorithm="tree"),
     }
 
 
-def pingpong_contenders(comm: Communicator, buf: np.ndarray) -> dict:
+def untraced_communicator() -> Communicator:
+    """A Communicator over MPI.COMM_WORLD with the flight recorder off (MPCOMM_TRACE_BUFFER=0 while it is made)."""
+    saved = os.environ.get("MPCOMM_TRACE_BUFFER")
+    os.environ["MPCOMM_TRACE_BUFFER"] = "0"
+    try:
+        return Communicator(MPI.COMM_WORLD)
+    finally:
+        if saved is None:
+            del os.environ["MPCOMM_TRACE_BUFFER"]
+        else:
+            os.environ["MPCOMM_TRACE_BUFFER"] = saved
+
+
+def pingpong_contenders(comm: Communicator, untraced: Communicator, buf: np.ndarray) -> dict:
     world, rank = comm.mpi, comm.rank
     out = np.empty_like(buf)
     partner = {0: 1, 1: 0}.get(rank)
@@ -54,7 +72,7 @@ def pingpong_contenders(comm: Communicator, buf: np.ndarray) -> dict:
             world.Recv(out, 0, 0)
             world.Send(buf, 0, 0)
 
-    def mpcomm_pingpong():
+    def mpcomm_pingpong(comm):
         if rank == 0:
             comm.send(buf, partner)
             comm.recv(out, partner)
@@ -62,7 +80,8 @@ def pingpong_contenders(comm: Communicator, buf: np.ndarray) -> dict:
             comm.recv(out, partner)
             comm.send(buf, partner)
 
-    return {"raw Send/Recv": raw, "mpcomm send/recv": mpcomm_pingpong}
+    return {"raw Send/Recv": raw, "mpcomm send/recv": lambda: mpcomm_pingpong(comm),
+            "mpcomm send/recv, no trace": lambda: mpcomm_pingpong(untraced)}
 
 
 def time_loop(world: MPI.Comm, call, calls: int) -> float:
@@ -100,16 +119,17 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here (rank 0)")
     args = parser.parse_args(argv)
     comm = Communicator(MPI.COMM_WORLD)
+    untraced = untraced_communicator()
     world, rows = comm.mpi, []
     for nbytes in SIZES:
         buf = np.ones(nbytes // 4, np.float32)
-        for row in summarize(measure(world, allreduce_contenders(comm, buf), args.calls, args.rounds),
+        for row in summarize(measure(world, allreduce_contenders(comm, untraced, buf), args.calls, args.rounds),
                              "raw Allreduce"):
             rows.append({"test": "allreduce", "bytes": nbytes, **row})
     if comm.size >= 2:
         for nbytes in (8, 4096):
             buf = np.ones(nbytes // 4, np.float32)
-            times = measure(world, pingpong_contenders(comm, buf), args.calls, args.rounds)
+            times = measure(world, pingpong_contenders(comm, untraced, buf), args.calls, args.rounds)
             for row in summarize(times, "raw Send/Recv"):
                 rows.append({"test": "pingpong", "bytes": nbytes, **row})
     if comm.rank == 0:
@@ -123,6 +143,7 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": comm.size, "calls": args.calls, "rounds": args.rounds, "rows": rows}, f, indent=1)
+    untraced.free()
     comm.free()
     return 0
 

@@ -124,8 +124,11 @@ class Communicator:
         self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
         self._plans: dict = {}
         self._plans_generation = 0  # counts the times auto's choices changed (a table loaded): plans made again
-        recorder = trace.recorder(settings.trace_buffer)
-        self._trace = recorder.group(base, self.timeout) if recorder is not None else None
+        recorder = trace.process_recorder(settings.trace_buffer)
+        # The flight recorder's lanes (None: off): blocking collectives and point-to-point, non-blocking collectives
+        self._sync.trace, self._async.trace = (recorder.communicator(base, self.timeout, ("", "async"))
+                                               if recorder is not None else (None, None))
+        self._trace = self._sync.trace
         self.selector = Selector.default(self, probe=settings.network_probe)
         if settings.tuning_file:
             self.load_tuning(settings.tuning_file, missing_ok=True)
@@ -553,7 +556,7 @@ class Communicator:
             if self._inline is not None and t is self._sync:
                 self._inline.run_until(None)
             t.operation = plan.label
-            start, trace = _clock(), self._trace  # the flight recorder (mpcomm.trace): None when off
+            start, trace = _clock(), t.trace  # the flight recorder's lane (mpcomm.trace): None when off
             if trace is not None:
                 slot = trace.started(plan, start)
             if self.validate:
@@ -563,7 +566,7 @@ class Communicator:
             end = _clock()
             elapsed = end - start
             if trace is not None:
-                trace.completed(slot, end)
+                trace.ends[slot] = end  # (GroupTrace.completed, without the call)
             if self._unusable is not None:  # made unusable while this ran (another thread joined in)
                 raise MpcommError(f"rank {self.rank}: {plan.label}: {self._unusable}; this result may be wrong")
         except CollectiveMismatchError:  # the ranks compared their calls and stopped cleanly: nothing in flight

@@ -66,6 +66,7 @@ class Transport:
         self.records: dict = {}
         # Called while this transport waits: progress of point-to-point receives (see ``mpcomm.p2p.Channels``).
         self.progress_hook = None
+        self.trace = None  # the flight recorder's lane of the collectives run here (mpcomm.trace.GroupTrace)
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
         self.spins_before_yield, self.quick_tests = _SPINS_BEFORE_YIELD, _QUICK_TESTS
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes

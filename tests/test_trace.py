@@ -119,12 +119,12 @@ def test_point_to_point_is_recorded():
 @pytest.mark.mpi
 def test_the_ring_keeps_the_last_calls_and_the_stack_of_the_one_in_flight(comm):
     recorder = FlightRecorder(4)
-    group = recorder.group(comm.mpi, comm.timeout)
+    trace, = recorder.communicator(comm.mpi, comm.timeout, ("",))
     plan = comm._plan("allreduce", np.ones(3, dtype=np.float32), "sum", "auto")
-    for i in range(10):
-        slot = group.started(plan, float(i + 1))
+    for i in range(10):  # (``trace`` and ``slot``, as Communicator._run names them: how the dump finds the thread)
+        slot = trace.started(plan, float(i + 1))
         if i < 9:
-            group.completed(slot, i + 1.5)
+            trace.completed(slot, i + 1.5)
     entries = recorder.snapshot("test")["entries"]
     assert [e["record_id"] for e in entries] == [6, 7, 8, 9]
     assert [e["collective_seq_id"] for e in entries] == [7, 8, 9, 10]

@@ -72,9 +72,10 @@ def job(scenario: str, work: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the harness
-def run_scenario(scenario: str, ranks: int, work: Path, mpiexec: str) -> tuple[dict, str]:
+def run_scenario(scenario: str, ranks: int, work: Path, mpiexec: str, *options: str) -> tuple[dict, str]:
     """Launch the job; once every rank has reported (or stopped itself), ask the ranks without a dump for one
-    with SIGUSR1 (continuing the stopped rank), release them; return (statuses, the analyzer's output)."""
+    with SIGUSR1 (continuing the stopped rank), release them; return (statuses, the output of the analyzer run
+    with ``options``)."""
     dumps, status = work / "dumps", work / "status"
     env = dict(os.environ, MPCOMM_TRACE_DIR=str(dumps), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("MPCOMM_TRACE_BUFFER", None)
@@ -109,8 +110,8 @@ def run_scenario(scenario: str, ranks: int, work: Path, mpiexec: str) -> tuple[d
             proc.kill()
             output = proc.communicate()[0]
     assert proc.returncode == 0, f"rc={proc.returncode}\n{output[-3000:]}"
-    analysis = subprocess.run([sys.executable, "-m", "mpcomm.trace", str(dumps)], capture_output=True, text=True,
-                              timeout=60, env=env)
+    analysis = subprocess.run([sys.executable, "-m", "mpcomm.trace", str(dumps), *options], capture_output=True,
+                              text=True, timeout=60, env=env)
     assert analysis.returncode == 0, analysis.stderr
     return statuses, analysis.stdout
 
@@ -150,6 +151,24 @@ def test_dumps_on_timeout_and_the_analyzer_names_the_rank(scenario, ranks, attem
         assert failed, detail  # someone waited in vain, or MPI refused the mixed messages
         assert named(output, "MISMATCH") == [(CALLS, [odd])], detail
         assert "called broadcast [16] float32 root 0 where" in output, detail
+
+
+@pytest.mark.parametrize("scenario, expected", [
+    ("skip", ["Not all ranks joining collective, sequence number: 6", "missing ranks: {2}"]),
+    ("broadcast", ["Collective sequence number: 6 has errors", "Culprit rank 2; Error type: COLLECTIVE_TYPE_MISMATCH"]),
+])
+def test_torchs_own_analyzer_reads_the_dumps(scenario, expected, tmp_path):
+    """torch's fr_trace, unchanged, on the copies ``--for-torch`` writes, names the same rank and number."""
+    pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
+    from conftest import UNDER_MPIEXEC, mpiexec_path
+
+    if UNDER_MPIEXEC:
+        pytest.skip("launches mpiexec itself; run it in the serial pytest pass")
+    run_scenario(scenario, 3, tmp_path, mpiexec_path(), "--for-torch", str(tmp_path / "torch"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path / "torch")],
+                          capture_output=True, text=True, timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and all(line in output for line in expected), output
 
 
 def test_dump_files_are_what_the_analyzer_reads(tmp_path):

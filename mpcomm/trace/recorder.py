@@ -23,13 +23,13 @@ import threading
 import time
 import traceback
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 from mpi4py import MPI
 
 _clock = time.perf_counter
 _thread_id = threading.get_ident
-DEFAULT_BUFFER = 2000  # entries kept per process (MPCOMM_TRACE_BUFFER); its cost: docs/trace.md
+DEFAULT_BUFFER = 2000  # calls kept per process (MPCOMM_TRACE_BUFFER): ~80 KB; its cost: docs/trace.md
 FILE_PREFIX = "mpcomm_trace_rank_"
 TORCH_FORMAT_VERSION = "2.10"  # the flight-recorder dump version of torch 2.14 (fr_trace checks it is "M.m")
 FRAMES_KEPT = 32  # innermost frames of a stack written per entry / thread
@@ -38,7 +38,6 @@ _TORCH_NAMES = {"allreduce": "all_reduce", "reduce_scatter": "reduce_scatter", "
                 "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
                 "all_to_all": "all_to_all", "all_to_all_v": "all_to_all_v_single", "barrier": "barrier",
                 "split": "split", "send": "send", "recv": "recv"}
-_PER_RANK_BLOCK = ("reduce_scatter", "all_gather", "gather", "scatter")  # the plan holds one rank's block
 
 
 def default_dir() -> str:
@@ -48,59 +47,77 @@ def default_dir() -> str:
 
 
 class FlightRecorder:
-    """A ring of the last ``capacity`` calls of every Communicator of this process."""
+    """A ring of the last ``capacity`` calls of every Communicator of this process, kept in parallel lists (one
+    slot per call: no object is made per call, and the one a slot held before is only a float or a plan)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.entries: list[Any] = [None] * capacity  # (record id, group, collective seq, p2p seq, what, start, thread)
-        self.ends: list[float] = [0.0] * capacity  # when the entry's call completed (0.0: it has not)
-        self.ids = itertools.count()  # next() is atomic under the GIL: threads never share a slot by a race
-        self.groups: list[GroupTrace] = []
+        self.groups: list[Any] = [None] * capacity  # the GroupTrace (communicator lane) that ran the slot's call
+        self.calls: list[Any] = [None] * capacity  # its Plan, or a point-to-point call's description
+        self.starts: list[float] = [0.0] * capacity  # time.perf_counter() when it started
+        self.ends: list[float] = [-1.0] * capacity  # ... when it completed (before its start: it has not)
+        # The next slot to write, round and round: next() is atomic under the GIL, so two threads never share one
+        self.slots = itertools.cycle(range(capacity))
+        self.lanes: list[GroupTrace] = []
         self._names: dict[tuple[int, ...], int] = {}  # communicators made so far over each set of world ranks
         self._lock = threading.Lock()
         self._epoch_ns = time.time_ns() - int(_clock() * 1e9)  # perf_counter -> wall clock, for the dump
         self.world_rank, self.world_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
-    def group(self, mpi_comm: MPI.Comm, timeout: float) -> "GroupTrace":
-        """The trace of a new Communicator over ``mpi_comm``. Its name is the same on every member: the world
-        ranks it spans and how many communicators over those ranks this process made before (MPI requires the
-        members to make them in the same order)."""
-        world = MPI.COMM_WORLD.Get_group()
+    def communicator(self, mpi_comm: MPI.Comm, timeout: float, lanes: Sequence[str]) -> list["GroupTrace"]:
+        """The traces of a new Communicator over ``mpi_comm``, one per lane (``""``: its blocking collectives and
+        point-to-point; e.g. ``"async"``: the non-blocking collectives, which run on their own communicator in
+        their own order). A lane's name is the same on every member: the world ranks it spans, how many
+        Communicators over those ranks this process made before (MPI requires the members to make them in the
+        same order), and the lane."""
+        world, group = MPI.COMM_WORLD.Get_group(), mpi_comm.Get_group()
         try:
-            ranks = tuple(mpi_comm.Get_group().Translate_ranks(list(range(mpi_comm.Get_size())), world))
+            ranks = tuple(group.Translate_ranks(list(range(mpi_comm.Get_size())), world))
         finally:
             world.Free()
+            group.Free()
         with self._lock:
             made = self._names.get(ranks, 0)
             self._names[ranks] = made + 1
-            group = GroupTrace(self, len(self.groups), f"{_describe_ranks(ranks)}#{made}", ranks,
-                               mpi_comm.Get_rank(), timeout)
-            self.groups.append(group)
-        return group
+            name = f"{_describe_ranks(ranks)}#{made}"
+            traces = [GroupTrace(self, len(self.lanes) + i, f"{name}.{lane}" if lane else name, ranks,
+                                 mpi_comm.Get_rank(), timeout) for i, lane in enumerate(lanes)]
+            self.lanes += traces
+        return traces
 
     # ------------------------------------------------------------------ dumps
     def snapshot(self, reason: str, frame=None) -> dict:
         """The dump's dictionary (torch's flight-recorder layout plus ``"mpcomm"``); ``frame``: the innermost
         frame of the calling thread to report (a signal handler's interrupted frame), else the caller's."""
-        stacks = _stacks(frame if frame is not None else sys._getframe(1))
+        current = frame if frame is not None else sys._getframe(1)
+        threads = sys._current_frames()
+        threads[threading.get_ident()] = current
         names = {t.ident: t.name for t in threading.enumerate()}
-        records = [(entry, self.ends[i]) for i, entry in enumerate(list(self.entries)) if entry is not None]
-        records.sort(key=lambda record: record[0][0])
+        held = sorted((slot for slot in range(self.capacity) if self.groups[slot] is not None),
+                      key=self.starts.__getitem__, reverse=True)  # newest first (one clock: starts increase)
+        # A call's number: how many calls came before it (in all, in its lane and of its kind), counted back
+        # from the totals, as the ring keeps the newest calls
+        total = sum(lane.collectives + lane.p2p for lane in self.lanes)
+        newer: dict[tuple, int] = {}
+        entries = []
+        for back, slot in enumerate(held):
+            group = self.groups[slot]
+            kind = (group, type(self.calls[slot]) is tuple)
+            seq = (group.p2p if kind[1] else group.collectives) - newer.get(kind, 0)
+            newer[kind] = newer.get(kind, 0) + 1
+            entries.append(self._entry(total - 1 - back, slot, seq, threads, names))
+        entries.reverse()
         return {
             "version": TORCH_FORMAT_VERSION,
             "comm_lib_version": f"mpcomm / {MPI.Get_library_version().splitlines()[0].strip()}",
-            "pg_config": {g.name: {"name": g.name, "desc": g.desc, "ranks": str(list(g.ranks))} for g in self.groups},
-            "pg_status": {str(g.pg_id): g.status() for g in self.groups},
-            "entries": [self._entry(entry, end, stacks, names) for entry, end in records],
+            "pg_config": {g.name: {"name": g.name, "desc": g.desc, "ranks": str(list(g.ranks))} for g in self.lanes},
+            "pg_status": {str(g.pg_id): g.status() for g in self.lanes},
+            "entries": entries,
             "mpcomm": {"reason": reason, "world_rank": self.world_rank, "world_size": self.world_size,
                        "host": socket.gethostname(), "pid": os.getpid(), "time_ns": time.time_ns(),
-                       "capacity": self.capacity, "recorded": self.recorded(),
-                       "stacks": {names.get(ident, str(ident)): frames for ident, frames in stacks.items()}},
+                       "capacity": self.capacity, "recorded": total,
+                       "stacks": {names.get(ident, str(ident)): _frames(f) for ident, f in threads.items()}},
         }
-
-    def recorded(self) -> int:
-        """How many calls were recorded since the start (the oldest are gone once more than ``capacity``)."""
-        return max((entry[0] + 1 for entry in list(self.entries) if entry is not None), default=0)
 
     def dump(self, reason: str, directory: str | None = None, frame=None) -> str:
         """Write this rank's dump into ``directory`` (default :func:`default_dir`); returns the file's path.
@@ -127,39 +144,40 @@ class FlightRecorder:
             warnings.warn(str(exc), RuntimeWarning)
             return None
 
-    def _entry(self, entry: tuple, end: float, stacks: dict, names: dict) -> dict:
-        record_id, group, seq, p2p_seq, what, start, thread = entry
+    def _entry(self, record_id: int, slot: int, seq: int, threads: dict, names: dict) -> dict:
+        group, what, start, end = self.groups[slot], self.calls[slot], self.starts[slot], self.ends[slot]
         operation, algorithm, nbytes, inputs, outputs, dtype, extra, peer = _describe(what, group)
-        seen_done = type(what) is tuple and getattr(what[-1], "_done", False)  # a Work whose wait saw it done
-        is_p2p = operation in ("send", "recv")
+        is_p2p = type(what) is tuple
         name = _TORCH_NAMES.get(operation) or _bare_name(what)
         if is_p2p:  # torch's "send 0->1" / "recv 1<-0", in the communicator's ranks
             name = f"{name} {group.rank}->{peer}" if operation == "send" else f"{name} {group.rank}<-{peer}"
         started_ns = self._epoch_ns + int(start * 1e9)
-        done = end > 0.0 or seen_done  # (a Work's: when it completed is not known, only that it did)
+        ended = end >= start  # (an older end is the slot's previous call's)
+        done = ended or (is_p2p and getattr(what[-1], "_done", False))  # (a Work's: seen done by a wait)
+        thread = None if done else _running(threads, group, slot)
         return {
             "record_id": record_id, "pg_id": group.pg_id, "process_group": (group.name, group.desc),
-            "collective_seq_id": seq, "p2p_seq_id": p2p_seq, "op_id": record_id,
-            "profiling_name": f"mpcomm:{name}", "time_created_ns": started_ns,
+            "collective_seq_id": group.collectives if is_p2p else seq, "p2p_seq_id": seq if is_p2p else 0,
+            "op_id": record_id, "profiling_name": f"mpcomm:{name}", "time_created_ns": started_ns,
             "time_discovered_started_ns": started_ns,
-            "time_discovered_completed_ns": self._epoch_ns + int(end * 1e9) if end > 0.0 else 0,
-            **({"duration_ms": (end - start) * 1e3} if end > 0.0 else {}),
+            "time_discovered_completed_ns": self._epoch_ns + int(end * 1e9) if ended else 0,
+            **({"duration_ms": (end - start) * 1e3} if ended else {}),
             "input_sizes": inputs, "input_dtypes": [dtype] * len(inputs),
             "output_sizes": outputs, "output_dtypes": [dtype] * len(outputs),
             "state": "completed" if done else "started", "retired": done,
             "timeout_ms": int(group.timeout * 1e3), "is_p2p": is_p2p,
-            "frames": [] if done else stacks.get(thread, []),  # (only a call in flight: its stack is the thread's)
-            "thread_id": str(thread), "thread_name": names.get(thread, ""),
+            "frames": [] if thread is None else _frames(threads[thread]),
+            "thread_id": "" if thread is None else str(thread), "thread_name": names.get(thread, ""),
             "operation": operation, "algorithm": algorithm, "bytes": nbytes, **extra,
         }
 
 
 class GroupTrace:
-    """One Communicator's side of the recorder: its name, members, sequence numbers, and the two calls that
-    record (:meth:`started`, :meth:`completed`)."""
+    """One lane of a Communicator in the recorder: its name, members, sequence numbers, and the calls that
+    record (:meth:`started`, :meth:`started_p2p`, :meth:`completed`)."""
 
     __slots__ = ("recorder", "pg_id", "name", "desc", "ranks", "rank", "timeout", "collectives", "p2p",
-                 "_entries", "_ends", "_ids", "_capacity")
+                 "_groups", "_calls", "_starts", "ends", "_slots")
 
     def __init__(self, recorder: FlightRecorder, pg_id: int, name: str, ranks: tuple[int, ...], rank: int,
                  timeout: float):
@@ -167,34 +185,33 @@ class GroupTrace:
         self.desc = "world" if len(ranks) == recorder.world_size and ranks == tuple(sorted(ranks)) else "split"
         self.timeout = timeout
         self.collectives = self.p2p = 0  # calls started so far (torch's collective_seq_id / p2p_seq_id)
-        self._entries, self._ends, self._ids, self._capacity = (recorder.entries, recorder.ends, recorder.ids,
-                                                                recorder.capacity)
+        self._groups, self._calls, self._starts = recorder.groups, recorder.calls, recorder.starts
+        self.ends, self._slots = recorder.ends, recorder.slots
 
     def started(self, plan, start: float) -> int:
         """Record that a collective run by ``plan`` started at ``start`` (``time.perf_counter()``, the caller's
-        own reading: one clock call less); returns the slot for :meth:`completed`."""
-        seq = self.collectives = self.collectives + 1
-        record_id = next(self._ids)
-        slot = record_id % self._capacity
-        self._ends[slot] = 0.0
-        self._entries[slot] = (record_id, self, seq, self.p2p, plan, start, _thread_id())
+        own reading: one clock call less); returns the slot, whose ``ends[slot]`` the caller sets to the time
+        it completed (:meth:`completed`; on the hot path the store is made without the call)."""
+        self.collectives += 1  # (the dump derives each call's sequence number from it)
+        slot = next(self._slots)
+        self._groups[slot] = self
+        self._calls[slot] = plan
+        self._starts[slot] = start  # (in flight while ends[slot] < start: the slot's last end is older)
         return slot
 
     def started_p2p(self, operation: str, peer, array, work=None) -> int:
         """Record the start of a ``send`` / ``recv`` of ``array`` with ``peer``; ``work``: the Work of a
         non-blocking one, completed in the dump once a wait saw it done."""
-        seq = self.p2p = self.p2p + 1
-        record_id = next(self._ids)
-        slot = record_id % self._capacity
-        self._ends[slot] = 0.0
-        what = (operation, peer if type(peer) is int else -1, tuple(getattr(array, "shape", ())), str(getattr(array, "dtype", "")),
-                int(getattr(array, "nbytes", 0)), work)
-        self._entries[slot] = (record_id, self, self.collectives, seq, what, _clock(), _thread_id())
+        self.p2p += 1
+        slot = next(self._slots)
+        what = (operation, peer if type(peer) is int else -1, tuple(getattr(array, "shape", ())),
+                str(getattr(array, "dtype", "")), int(getattr(array, "nbytes", 0)), work)
+        self._groups[slot], self._calls[slot], self._starts[slot] = self, what, _clock()
         return slot
 
     def completed(self, slot: int, end: float) -> None:
-        """Record that the call of :meth:`started`'s ``slot`` completed at ``end`` (``time.perf_counter()``)."""
-        self._ends[slot] = end
+        """Record that the call of ``slot`` completed at ``end`` (``time.perf_counter()``)."""
+        self.ends[slot] = end
 
     def status(self) -> dict:
         return {"last_enqueued_collective": self.collectives, "last_started_collective": self.collectives,
@@ -232,12 +249,17 @@ def _numel(shape: list) -> int:
     return count
 
 
-def _stacks(current) -> dict[int, list[dict]]:
-    """Every thread's stack as torch writes frames ({"name", "filename", "line"}), innermost first; the calling
-    thread's from ``current``."""
-    frames = sys._current_frames()
-    frames[threading.get_ident()] = current
-    return {ident: _frames(frame) for ident, frame in frames.items()}
+def _running(threads: dict, group: GroupTrace, slot: int) -> int | None:
+    """The thread whose stack holds the call of ``slot`` in flight: the frame that recorded it keeps ``trace``
+    (the lane) and ``slot`` as locals (Communicator._run, ._traced). Found at dump time, so that recording a
+    call stores no thread."""
+    for ident, frame in threads.items():
+        while frame is not None:
+            local = frame.f_locals
+            if local.get("slot") == slot and local.get("trace") is group:
+                return ident
+            frame = frame.f_back
+    return None
 
 
 def _frames(frame) -> list[dict]:
@@ -257,7 +279,7 @@ def _describe_ranks(ranks: tuple[int, ...]) -> str:
 _process: dict[str, FlightRecorder] = {}  # the one recorder of this process, made by the first Communicator
 
 
-def recorder(capacity: int) -> FlightRecorder | None:
+def process_recorder(capacity: int) -> FlightRecorder | None:
     """This process's recorder (made on the first call, with ``capacity`` entries; later calls share it), or None
     when ``capacity`` is 0 (recording off for that Communicator). Installs the SIGUSR1 dump handler if the
     signal has its default action (a handler the program installed is never replaced)."""
