@@ -43,6 +43,9 @@ class Settings:
     @classmethod
     def resolve(cls, timeout=None, validate=None, ranks_per_node=None) -> "Settings":
         """The settings for these constructor arguments (None: from the environment); ConfigError if invalid."""
+        if _env("MPCOMM_TIMELINE"):  # (asked for by every rank alike: raised before any communication)
+            raise NotImplementedError(f"MPCOMM_TIMELINE={os.environ['MPCOMM_TIMELINE']!r}: the timeline is not "
+                                      "built yet (docs/trace.md); unset it (the flight recorder is on regardless)")
         return cls(
             timeout=_timeout(timeout, "timeout") if timeout is not None else _env_timeout(),
             validate=_flag(validate, "validate") if validate is not None else _env_flag("MPCOMM_VALIDATE"),
@@ -53,7 +56,8 @@ class Settings:
             network_probe=(_env("MPCOMM_NETWORK_PROBE") or "1").lower() not in _FALSE,
             staging_chunk=_staging_chunk(),
             cuda_aware=(_env("MPCOMM_CUDA_AWARE") or "").lower(),
-            trace_buffer=_env_count("MPCOMM_TRACE_BUFFER", DEFAULT_TRACE_BUFFER),
+            trace_buffer=_env_int("MPCOMM_TRACE_BUFFER", "calls the flight recorder keeps, 0: off", minimum=0,
+                                  default=DEFAULT_TRACE_BUFFER),
         )
 
 
@@ -138,28 +142,20 @@ def _env_flag(name: str) -> bool:
 
 
 def _env_positive_int(name: str, what: str) -> int | None:
-    value = _env(name)
-    if not value:
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r}: expected an int >= 1 ({what})") from None
-    if number < 1:
-        raise ConfigError(f"{name}={value!r}: {what} must be >= 1, got {number}")
-    return number
+    return _env_int(name, what, minimum=1, default=None)
 
 
-def _env_count(name: str, default: int) -> int:
+def _env_int(name: str, what: str, minimum: int, default: int | None) -> int | None:
+    """The int in the variable ``name`` (``default`` when unset or empty), ConfigError below ``minimum``."""
     value = _env(name)
     if not value:
         return default
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(f"{name}={value!r}: expected an int >= 0") from None
-    if number < 0:
-        raise ConfigError(f"{name}={value!r}: must be >= 0 (0 turns it off), got {number}")
+        raise ConfigError(f"{name}={value!r}: expected an int >= {minimum} ({what})") from None
+    if number < minimum:
+        raise ConfigError(f"{name}={value!r}: {what} must be >= {minimum}, got {number}")
     return number
 
 

@@ -91,6 +91,26 @@ def test_every_collective_is_recorded_alike_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_call_refused_by_validate_is_a_mismatch_not_a_wait():
+    """validate=True: ranks that passed different shapes all raise and go on; the dumps show where they differed,
+    and nobody waiting."""
+    from mpcomm import CollectiveMismatchError
+    from mpcomm.trace.analyze import load
+
+    comm = Communicator(WORLD, timeout=30.0, validate=True)
+    directory = shared_dir()
+    with pytest.raises(CollectiveMismatchError):
+        comm.allreduce(np.ones(2 + (comm.rank == P - 1)))
+    comm.allreduce(np.ones(2))
+    comm.dump_trace(directory)
+    WORLD.Barrier()
+    findings = [(f.kind, f.group, f.seq, f.ranks) for f in analyze(load(directory)).findings]
+    assert findings == [("mismatch", comm._trace.name, 1, [P - 1])], findings
+    WORLD.Barrier()
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_point_to_point_is_recorded():
     comm = Communicator(WORLD, timeout=30.0)
     peer = (comm.rank + 1) % P
@@ -151,6 +171,13 @@ def test_buffer_zero_turns_it_off(monkeypatch):
     with pytest.raises(MpcommError, match="MPCOMM_TRACE_BUFFER=0"):
         comm.dump_trace(tempfile.gettempdir())
     comm.free()
+
+
+@pytest.mark.mpi
+def test_the_timeline_is_not_built_and_says_so(monkeypatch):
+    monkeypatch.setenv("MPCOMM_TIMELINE", "steps.json")
+    with pytest.raises(NotImplementedError, match="MPCOMM_TIMELINE='steps.json': the timeline is not built yet"):
+        Communicator(WORLD, timeout=10.0)
 
 
 _SIGNALS = """

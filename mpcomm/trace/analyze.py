@@ -127,8 +127,10 @@ def _analyze_group(report: Report, dumps: dict[int, dict], name: str, members: l
     lines.append("  last completed: " + ", ".join(
         f"rank {r} #{s} {_what(calls[r][s])}" if s else f"rank {r} none" for r, s in completed.items()))
     missing = [rank for rank in members if rank not in dumps]
-    pending = {rank: max(s for s, e in by_seq.items() if e["state"] != "completed")
-               for rank, by_seq in calls.items() if any(e["state"] != "completed" for e in by_seq.values())}
+    # a rank waits in its last call if that did not complete (an earlier one that never completed — refused by
+    # validate=True — is not where it waits)
+    pending = {rank: max(by_seq) for rank, by_seq in calls.items()
+               if by_seq and by_seq[max(by_seq)]["state"] != "completed"}
     named: list[int] = []
     mismatch = _first_mismatch(calls)
     if mismatch is not None:
