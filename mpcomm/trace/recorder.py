@@ -13,6 +13,7 @@ stack). Writing a dump is local: it never waits for another rank.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import pickle
 import signal
@@ -28,7 +29,6 @@ from typing import Any, Sequence
 from mpi4py import MPI
 
 _clock = time.perf_counter
-_thread_id = threading.get_ident
 DEFAULT_BUFFER = 2000  # calls kept per process (MPCOMM_TRACE_BUFFER): ~80 KB; its cost: docs/trace.md
 FILE_PREFIX = "mpcomm_trace_rank_"
 TORCH_FORMAT_VERSION = "2.10"  # the flight-recorder dump version of torch 2.14 (fr_trace checks it is "M.m")
@@ -229,7 +229,7 @@ def _describe(what, group: GroupTrace):
     operation, shape = what.operation, signature.get("shape")
     dtype = signature.get("dtype") or ""
     block = [] if shape is None else list(shape)
-    whole = [_numel(block) * len(group.ranks)]
+    whole = [math.prod(block) * len(group.ranks)]
     inputs, outputs = {"reduce_scatter": ([whole], [block]), "all_gather": ([block], [whole]),
                        "gather": ([block], [whole]), "scatter": ([whole], [block])}.get(
         operation, ([block], [block]) if shape is not None else ([], []))
@@ -240,13 +240,6 @@ def _describe(what, group: GroupTrace):
 def _bare_name(plan) -> str:
     """torch's name for mpcomm's own meetings and agreements (a barrier, or an all-reduce of one int64)."""
     return "all_reduce" if getattr(plan.fn, "__name__", "") == "_sum_of_int64" else "barrier"
-
-
-def _numel(shape: list) -> int:
-    count = 1
-    for extent in shape:
-        count *= extent
-    return count
 
 
 def _running(threads: dict, group: GroupTrace, slot: int) -> int | None:
