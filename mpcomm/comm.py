@@ -557,8 +557,12 @@ class Communicator:
                 self._inline.run_until(None)
             t.operation = plan.label
             start, trace = _clock(), t.trace  # the flight recorder's lane (mpcomm.trace): None when off
-            if trace is not None:
-                slot = trace.started(plan, start)
+            if trace is not None:  # (GroupTrace.started, without the call)
+                trace.collectives += 1
+                slot = next(trace.slots)
+                trace.groups[slot] = trace
+                trace.calls[slot] = plan
+                trace.starts[slot] = start
             if self.validate:
                 self._agree(t, plan, counts)
                 start = _clock()  # (stats time the algorithm alone)

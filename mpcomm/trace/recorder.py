@@ -177,7 +177,7 @@ class GroupTrace:
     record (:meth:`started`, :meth:`started_p2p`, :meth:`completed`)."""
 
     __slots__ = ("recorder", "pg_id", "name", "desc", "ranks", "rank", "timeout", "collectives", "p2p",
-                 "_groups", "_calls", "_starts", "ends", "_slots")
+                 "groups", "calls", "starts", "ends", "slots")
 
     def __init__(self, recorder: FlightRecorder, pg_id: int, name: str, ranks: tuple[int, ...], rank: int,
                  timeout: float):
@@ -185,28 +185,29 @@ class GroupTrace:
         self.desc = "world" if len(ranks) == recorder.world_size and ranks == tuple(sorted(ranks)) else "split"
         self.timeout = timeout
         self.collectives = self.p2p = 0  # calls started so far (torch's collective_seq_id / p2p_seq_id)
-        self._groups, self._calls, self._starts = recorder.groups, recorder.calls, recorder.starts
-        self.ends, self._slots = recorder.ends, recorder.slots
+        # the recorder's ring, for the Communicator's hot path to write into without a call
+        self.groups, self.calls, self.starts = recorder.groups, recorder.calls, recorder.starts
+        self.ends, self.slots = recorder.ends, recorder.slots
 
     def started(self, plan, start: float) -> int:
         """Record that a collective run by ``plan`` started at ``start`` (``time.perf_counter()``, the caller's
         own reading: one clock call less); returns the slot, whose ``ends[slot]`` the caller sets to the time
         it completed (:meth:`completed`; on the hot path the store is made without the call)."""
         self.collectives += 1  # (the dump derives each call's sequence number from it)
-        slot = next(self._slots)
-        self._groups[slot] = self
-        self._calls[slot] = plan
-        self._starts[slot] = start  # (in flight while ends[slot] < start: the slot's last end is older)
+        slot = next(self.slots)
+        self.groups[slot] = self
+        self.calls[slot] = plan
+        self.starts[slot] = start  # (in flight while ends[slot] < start: the slot's last end is older)
         return slot
 
     def started_p2p(self, operation: str, peer, array, work=None) -> int:
         """Record the start of a ``send`` / ``recv`` of ``array`` with ``peer``; ``work``: the Work of a
         non-blocking one, completed in the dump once a wait saw it done."""
         self.p2p += 1
-        slot = next(self._slots)
+        slot = next(self.slots)
         what = (operation, peer if type(peer) is int else -1, tuple(getattr(array, "shape", ())),
                 str(getattr(array, "dtype", "")), int(getattr(array, "nbytes", 0)), work)
-        self._groups[slot], self._calls[slot], self._starts[slot] = self, what, _clock()
+        self.groups[slot], self.calls[slot], self.starts[slot] = self, what, _clock()
         return slot
 
     def completed(self, slot: int, end: float) -> None:
