@@ -1,7 +1,8 @@
 """mpcomm's modules import downward only, and no two modules import each other (also through a chain).
 
-Every module under ``mpcomm/`` is parsed with ``ast`` — imports inside functions and under ``TYPE_CHECKING``
-included, since a cycle hidden inside a function is still a cycle — and each import of another mpcomm module is
+Every module under ``mpcomm/`` is parsed with ``ast`` — imports inside functions included, since a cycle hidden
+inside a function is still a cycle; imports under ``if TYPE_CHECKING:`` are left out (they name types for the
+checker and never run) — and each import of another mpcomm module is
 checked against the layer order below (the same list is in ``docs/dispatch.md``). A module may import its own layer
 or any layer below; importing a layer above, or any cycle between modules, fails with the modules named.
 
@@ -23,13 +24,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("facts", ("mpcomm.errors", "mpcomm.info", "mpcomm.mpi_library", "mpcomm.cuda", "mpcomm.buffers",
                "mpcomm.kernels", "mpcomm.tuning.table", "mpcomm.schedules")),
     ("transports", ("mpcomm.transport", "mpcomm.topology", "mpcomm.settings", "mpcomm.work", "mpcomm.p2p",
-                    "mpcomm.staging")),
+                    "mpcomm.device", "mpcomm.staging")),
     ("algorithms", ("mpcomm.algorithms",)),
     ("dispatch", ("mpcomm.plan", "mpcomm.dispatch", "mpcomm.tuning")),
     ("communicator", ("mpcomm.comm", "mpcomm.mesh")),
     ("engines", ("mpcomm.nn", "mpcomm.parallel", "mpcomm.workload")),
     ("entry points", ("mpcomm", "mpcomm.integrations", "mpcomm.bench", "mpcomm.train", "mpcomm.launch",
-                      "mpcomm.tuning.__main__")),
+                      "mpcomm.tuning.cli", "mpcomm.tuning.__main__")),
 ]
 
 
@@ -52,6 +53,9 @@ def imports(module: str, path: str, known: set[str]) -> set[str]:
     package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
     with open(path) as f:
         tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):  # type-only imports: dropped before the walk below
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            node.body = []
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

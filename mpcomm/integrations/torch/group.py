@@ -10,7 +10,6 @@ inline); sends and receives use mpcomm's point-to-point directly.
 """
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from functools import partial
@@ -123,14 +122,14 @@ class BackendMpcomm(backend_base()):
         native_plan = self._native_plan
         if native_plan is not None and len(tensors) == 1:
             # The C++ extension takes the synchronous call on a tensor as it is where the Communicator plans its
-            # native all-reduce (native_allreduce.cpp); it runs under Communicator._run, as every call does.
+            # native all-reduce (native_allreduce.cpp); it runs under Communicator.run, as every call does.
             plan = native_plan(tensors[0], opts)
             if plan is not None and self._lane.enter():
                 if plan.nbytes >= HUGE_PAGES_FROM:
                     self._pages.reused(tensors[0])
                 comm = self.comm
                 self._sequence += 1
-                self._run_here("allreduce", comm._run, comm._sync, plan, tensors[0], plan.rop)
+                self._run_here("allreduce", comm.run, plan, tensors[0], plan.rop)
                 return None
         if not opts.asyncOp and len(tensors) == 1 and self._allreduce_now(tensors, opts):
             return None
@@ -174,7 +173,7 @@ class BackendMpcomm(backend_base()):
         module = extension.load()
         if module is None:
             return None
-        t = self.comm._sync
+        t = self.comm.transport
         return module.NativeAllreduce(t.mpi.py2f(), t.size, self.comm, self._planned_natively, MPI.Request.f2py,
                                       MPI.Exception, t.quick_tests)
 
@@ -186,12 +185,10 @@ class BackendMpcomm(backend_base()):
         if red.local is not None:
             return None
         array = tensor.detach().numpy().reshape(-1)
-        plan = self.comm._plan("allreduce", array, red.name, self.algorithm)
+        plan = self.comm.plan("allreduce", array, red.name, self.algorithm)
         if plan.fn is not REGISTRY["allreduce"]["native"] or not plan.direct or plan.rop.divisor != 1:
             return None
-        runner = copy.copy(plan)
-        runner.fn = self._native_run
-        return runner
+        return plan.running(self._native_run)
 
     def _allreduce_gathered(self, array: np.ndarray, red: Reduction) -> None:
         """A reduction mpcomm does not run itself (bitwise ops): gather every rank's array, reduce in rank order."""
