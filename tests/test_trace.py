@@ -140,7 +140,7 @@ def test_point_to_point_is_recorded():
 def test_the_ring_keeps_the_last_calls_and_the_stack_of_the_one_in_flight(comm):
     recorder = FlightRecorder(4)
     trace, = recorder.communicator(comm.mpi, comm.timeout, ("",))
-    plan = comm._plan("allreduce", np.ones(3, dtype=np.float32), "sum", "auto")
+    plan = comm.plan("allreduce", np.ones(3, dtype=np.float32), "sum")
     for i in range(10):  # (``trace`` and ``slot``, as Communicator._run names them: how the dump finds the thread)
         slot = trace.started(plan, float(i + 1))
         if i < 9:

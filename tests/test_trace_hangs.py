@@ -43,7 +43,7 @@ def job(scenario: str, work: Path) -> None:
     comm = Communicator(timeout=TIMEOUT, validate=False)
     odd = comm.size - 1
     (work / "pids").mkdir(exist_ok=True)
-    (work / "pids" / str(comm.rank)).write_text(str(os.getpid()))
+    write_atomically(work / "pids" / str(comm.rank), str(os.getpid()))
     buf = np.ones(16, dtype=np.float32)
     status: dict = {"outcome": "completed"}
     for i in range(CALLS):
@@ -65,10 +65,17 @@ def job(scenario: str, work: Path) -> None:
                       "seconds": time.monotonic() - entered, "error": str(exc)}
             break
     (work / "status").mkdir(exist_ok=True)
-    (work / "status" / f"{comm.rank}.json").write_text(json.dumps(status))
+    write_atomically(work / "status" / f"{comm.rank}.json", json.dumps(status))
     deadline = time.monotonic() + 120
     while not (work / "release").exists() and time.monotonic() < deadline:
         time.sleep(0.02)  # (the straggler's stack when SIGUSR1 asks it for its dump)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``text`` into ``path`` as the harness sees it: whole or not at all (it polls for the file)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 # ---------------------------------------------------------------------------------------------- the harness
@@ -93,7 +100,7 @@ def run_scenario(scenario: str, ranks: int, work: Path, mpiexec: str, *options: 
         assert proc.poll() is None, f"the job ended early:\n{proc.communicate()[0][-3000:]}"
         statuses = {int(p.stem): json.loads(p.read_text()) for p in status.glob("*.json")}
         assert set(statuses) >= expected, f"ranks {sorted(expected - set(statuses))} never reported: {statuses}"
-        pids = {int(p.name): int(p.read_text()) for p in (work / "pids").iterdir()}
+        pids = {int(p.name): int(p.read_text()) for p in (work / "pids").iterdir() if p.name.isdigit()}
         asked = [r for r in range(ranks) if not (dumps / f"mpcomm_trace_rank_{r}").exists()]
         for rank in asked:
             os.kill(pids[rank], signal.SIGUSR1)
