@@ -141,7 +141,7 @@ def test_the_ring_keeps_the_last_calls_and_the_stack_of_the_one_in_flight(comm):
     recorder = FlightRecorder(4)
     trace, = recorder.communicator(comm.mpi, comm.timeout, ("",))
     plan = comm.plan("allreduce", np.ones(3, dtype=np.float32), "sum")
-    for i in range(10):  # (``trace`` and ``slot``, as Communicator._run names them: how the dump finds the thread)
+    for i in range(10):  # (``trace`` and ``slot``, as Dispatcher.run names them: how the dump finds the thread)
         slot = trace.started(plan, float(i + 1))
         if i < 9:
             trace.completed(slot, i + 1.5)

@@ -245,8 +245,8 @@ def _bare_name(plan) -> str:
 
 def _running(threads: dict, group: GroupTrace, slot: int) -> int | None:
     """The thread whose stack holds the call of ``slot`` in flight: the frame that recorded it keeps ``trace``
-    (the lane) and ``slot`` as locals (Communicator._run, ._traced). Found at dump time, so that recording a
-    call stores no thread."""
+    (the lane) and ``slot`` as locals (Dispatcher.run, Communicator._traced). Found at dump time, so that
+    recording a call stores no thread."""
     for ident, frame in threads.items():
         while frame is not None:
             local = frame.f_locals
