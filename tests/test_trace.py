@@ -232,7 +232,8 @@ def test_analyzer_mistakes_are_one_line_and_exit_2(tmp_path):
     (tmp_path / "other" / "mpcomm_trace_rank_0").write_bytes(pickle.dumps({"something": "else"}))
     cases = {(str(tmp_path / "missing"),): "is not a directory",
              (str(tmp_path / "empty"),): "holds no flight-recorder dumps",
-             (str(tmp_path / "corrupt"),): f"{tmp_path / 'corrupt' / 'mpcomm_trace_rank_1'}: not a flight-recorder dump",
+             (str(tmp_path / "corrupt"),):
+                 f"{tmp_path / 'corrupt' / 'mpcomm_trace_rank_1'}: not a flight-recorder dump",
              (str(tmp_path / "other"),): f"{tmp_path / 'other' / 'mpcomm_trace_rank_0'}: not a flight-recorder dump",
              (): "the following arguments are required: DIR"}
     for args, fragment in cases.items():

@@ -155,7 +155,8 @@ def _analyze_group(report: Report, dumps: dict[int, dict], name: str, members: l
             named += absent
         lines.append(f"  {text}")
         if missing:
-            text = f"no dump from rank(s) {_ranks(missing)}: stopped, killed, or never dumped — they may be behind #{seq}"
+            text = (f"no dump from rank(s) {_ranks(missing)}: stopped, killed, or never dumped — they may be behind "
+                    f"#{seq}")
             report.findings.append(Finding("missing", name, seq, missing, text))
             lines.append(f"  {text}")
             named += missing
