@@ -116,12 +116,14 @@ def test_point_to_point_is_recorded():
     peer = (comm.rank + 1) % P
     source = (comm.rank - 1) % P
     out = np.empty(5, dtype=np.float32)
+    comm.barrier()  # (the point-to-point calls after it carry collective_seq_id 1, as torch numbers them)
     comm.sendrecv(np.ones(5, dtype=np.float32), peer, out, source)
     pending = comm.irecv(np.empty(3, dtype=np.int16), source, tag=4)
     comm.send(np.ones(3, dtype=np.int16), peer, tag=4)
     started_only = comm.irecv(np.empty(2), source, tag=9)  # never sent: still in flight in the dump
     pending.wait()
     mine = own_entries(comm.dump_trace(shared_dir()), comm._trace.name)
+    assert all(e["collective_seq_id"] == 1 for e in mine) and mine[0]["p2p_seq_id"] == 0, mine
     described = [(e["profiling_name"], e["p2p_seq_id"], e["state"], e["input_sizes"], e["output_sizes"])
                  for e in mine if e["is_p2p"]]
     assert described == [

@@ -103,9 +103,10 @@ class FlightRecorder:
         for back, slot in enumerate(held):
             group = self.groups[slot]
             kind = (group, type(self.calls[slot]) is tuple)
-            seq = (group.p2p if kind[1] else group.collectives) - newer.get(kind, 0)
+            collectives = group.collectives - newer.get((group, False), 0)  # started up to this call, as torch
+            p2p = group.p2p - newer.get((group, True), 0)  # numbers them (each its own kind's count)
             newer[kind] = newer.get(kind, 0) + 1
-            entries.append(self._entry(total - 1 - back, slot, seq, threads, names))
+            entries.append(self._entry(total - 1 - back, slot, collectives, p2p, threads, names))
         entries.reverse()
         return {
             "version": TORCH_FORMAT_VERSION,
@@ -144,7 +145,7 @@ class FlightRecorder:
             warnings.warn(str(exc), RuntimeWarning)
             return None
 
-    def _entry(self, record_id: int, slot: int, seq: int, threads: dict, names: dict) -> dict:
+    def _entry(self, record_id: int, slot: int, collectives: int, p2p: int, threads: dict, names: dict) -> dict:
         group, what, start, end = self.groups[slot], self.calls[slot], self.starts[slot], self.ends[slot]
         operation, algorithm, nbytes, inputs, outputs, dtype, extra, peer = _describe(what, group)
         is_p2p = type(what) is tuple
@@ -157,7 +158,7 @@ class FlightRecorder:
         thread = None if done else _running(threads, group, slot)
         return {
             "record_id": record_id, "pg_id": group.pg_id, "process_group": (group.name, group.desc),
-            "collective_seq_id": group.collectives if is_p2p else seq, "p2p_seq_id": seq if is_p2p else 0,
+            "collective_seq_id": collectives, "p2p_seq_id": p2p,
             "op_id": record_id, "profiling_name": f"mpcomm:{name}", "time_created_ns": started_ns,
             "time_discovered_started_ns": started_ns,
             "time_discovered_completed_ns": self._epoch_ns + int(end * 1e9) if ended else 0,
