@@ -106,7 +106,8 @@ OMPI_RANKS ?= 2 3 4
 OMPI_LIBRARY_RANKS ?=
 OMPI_LIBRARY_TESTS ?= tests/test_collectives.py tests/test_native_wait.py tests/test_timeouts.py tests/test_nonblocking.py \
 	tests/test_rooted.py tests/test_alltoall.py tests/test_p2p.py tests/test_p2p_wildcards.py tests/test_errors.py \
-	tests/test_reliability.py
+	tests/test_nan.py tests/test_mismatches.py tests/test_settings.py tests/test_threads.py tests/test_unusable.py \
+	tests/test_work.py
 OMPI_PY    := $(OMPI_VENV)/bin/python
 OMPI_STAMP := $(OMPI_VENV)/.mpcomm-installed
 OMPI_ENV   := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe

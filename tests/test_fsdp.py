@@ -101,13 +101,6 @@ def test_mixed_precision_validation():
 
 
 # ---------------------------------------------------------------------------------------- helpers
-@pytest.fixture(scope="module")
-def comm():
-    c = Communicator(MPI.COMM_WORLD)
-    yield c
-    c.free()
-
-
 def hybrid_comm():
     """World with ranks_per_node=2 when it divides the world (shard in pairs), else 1 (pure replication)."""
     size = MPI.COMM_WORLD.Get_size()
