@@ -406,7 +406,7 @@ class PipelineParallel:
             self._infer_shapes(xs[0] if xs is not None else None)
             self._in_key = key
             if pp > 1 and self._wire is None:
-                self._wire = self.comm._protocol_transport("pipeline")
+                self._wire = self.comm.protocol_transport("pipeline")
         xp = _xp_of(self.chunks[self.stages[0]])
         if pp > 1 and self._shared is None:
             host = all(_xp_of(self.chunks[s]) is np for s in self.stages)
