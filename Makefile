@@ -39,13 +39,12 @@ test-mpi: $(STAMP)
 
 # The torch backend's tests, once per torch release in TORCH_VERSIONS, each in its own venv (.venv-torch-VERSION,
 # built like .venv), so that every release the backend claims to support (pyproject.toml's torch extra: the oldest
-# one here) is tested. 2.13.0 is the CPU build (~15 s from the local wheel, +870 MB); 2.14.1, the current release,
-# is what a plain `pip install torch` gives: the CUDA build with its nvidia-* dependencies (51 s, 5.4 GB measured
-# here; `--no-deps` plus the Python packages torch imports is not enough, libtorch links cuDNN, cuBLAS, NCCL, ...,
-# and with those it saves 1 GB and 2 s, so the plain install it is).
+# one here) is tested. 2.13.0 is the CPU build; 2.14.1, the current release, is what a plain `pip install torch`
+# gives: the CUDA build with its nvidia-* dependencies (`--no-deps` is not enough: libtorch links cuDNN, cuBLAS,
+# NCCL, ..., and with those it saves little, so the plain install it is).
 # Per release: `import torch` first, so that a broken install fails instead of turning the tests into skips; then
-# build the backend's C++ parts (its c10d Backend and its all-reduce, ~30 s each, cached in the venv; a failed build
-# fails here). Then every test marked `torch` (mark a new test `@pytest.mark.torch`, or a file with
+# build the backend's C++ parts (its c10d Backend and its all-reduce, cached in the venv; a failed build fails
+# here). Then every test marked `torch` (mark a new test `@pytest.mark.torch`, or a file with
 # `pytestmark = pytest.mark.torch`, and it runs here) under 1, 2 and 3 ranks; FSDP2 x tensor parallelism and the
 # pipelining schedules on a 2 x 2 DeviceMesh (4 ranks); and PyTorch's own backend test class
 # DistributedTest._DistTestBase under 3 ranks (tests/torch_backend/distributed_suite.py; expecttest is what torch's test

@@ -95,8 +95,8 @@ class Channels:
     def progress(self) -> None:
         """Open the receives whose envelopes have arrived (another thread doing it already is enough).
 
-        Every wait calls this on every poll, so it asks MPI once (``Testsome``) however many receives are posted:
-        16 posted receives cost 1.2 us a call instead of 6.3 with a Test each.
+        Every wait calls this on every poll, so it asks MPI once (``Testsome``) however many receives are posted,
+        not once per receive (bench/results/observations.md, "One Testsome for all posted receives").
         """
         if not self._unopened or not self._lock.acquire(False):
             return
@@ -246,7 +246,7 @@ def recv(channels: Channels, buf, src, tag, status: Status | None, payload_trans
     _check_writeable(buf, flags)
     code = _CODES.get(dtype) or _code(dtype, "recv")
     envelopes = channels.envelopes
-    # A fresh envelope each time: one reused across receives measured 25 % slower at 4 KiB in some heap layouts.
+    # A fresh envelope each time: a reused one was slower in some heap layouts (bench/results/observations.md).
     envelope = bytearray(_ENVELOPE_BYTES)
     request = envelopes.mpi.Irecv(envelope, src, tag)
     # Everything the arrival is checked against and copied with is made before it arrives (off the latency path).

@@ -1,13 +1,12 @@
 """Pipeline hand-offs between ranks of one node through an MPI shared-memory window.
 
 Between two ranks that share a node, an MPI message of an activation is a copy the receiver makes when it gets to
-its receive (MPICH's CMA reads the sender's pages), after MPI's rendezvous: ~60-70 us for 128 KiB right after a
-stage's compute on the dev VM, ~100 us when the message waited for a busy receiver (bench/results/
-pipeline_handoff.md). Here each receiving rank instead exposes slots in a window of ``MPI_Win_allocate_shared``
-(MPI-3); the sender copies its output into the message's slot, with the data still in its cache, and raises the
-message's flag; the receiver, seeing the flag, computes on the slot in place. One copy, made by the sender, and no
-MPI call on either side; no progress of the sender needed (MPICH without CMA moves a message only during its
-sender's MPI calls, see :mod:`mpcomm.parallel.send_progress`).
+its receive (MPICH's CMA reads the sender's pages), after MPI's rendezvous, and longer when the message waited for a
+busy receiver (bench/results/pipeline_handoff.md). Here each receiving rank instead exposes slots in a window of
+``MPI_Win_allocate_shared`` (MPI-3); the sender copies its output into the message's slot, with the data still in
+its cache, and raises the message's flag; the receiver, seeing the flag, computes on the slot in place. One copy,
+made by the sender, and no MPI call on either side; no progress of the sender needed (MPICH without CMA moves a
+message only during its sender's MPI calls, see :mod:`mpcomm.parallel.send_progress`).
 
 Slots are reused, within a step and across steps, only where that is safe whatever the timing: a slot may take
 message j after message i when the receiver's last use of i (its backward of that micro-batch: a chunk's input is
