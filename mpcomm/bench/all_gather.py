@@ -15,10 +15,6 @@ class AllGather(DataMovement):
     per_rank_count = True
     busbw_formula = "(p-1)/p"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return (p - 1) / p
-
     def setup(self) -> None:
         self.send = self.input_of(self.rank)
         self.recv = np.zeros(self.count * self.p, self.dtype)

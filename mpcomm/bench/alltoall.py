@@ -18,10 +18,6 @@ class AllToAll(DataMovement):
     replicated = False  # each rank receives its own blocks
     busbw_formula = "(p-1)/p"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return (p - 1) / p
-
     def send_of(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s send buffer: block j goes to rank j."""
         return self.input_of(rank, self.count * self.p)

@@ -28,6 +28,13 @@ from ..buffers import wire_dtype
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 RAW = "mpi4py-raw"  # the algorithm name of the raw mpi4py rows
 
+# nccl-tests' bus-bandwidth factors by formula: busbw = algbw * factor(p), comparable across process counts
+BUSBW_FACTORS: dict[str, Callable[[int], float]] = {
+    "1": lambda p: 1.0,
+    "(p-1)/p": lambda p: (p - 1) / p,
+    "2(p-1)/p": lambda p: 2 * (p - 1) / p,
+}
+
 # Largest integer every value up to which is exact in the dtype (floats) or fits it (integers).
 _EXACT = {
     np.dtype(np.float16): 2**11,
@@ -176,12 +183,12 @@ class Collective(ABC):
     rooted = False     # takes --root
     per_rank_count = False   # "count" is elements per rank (per peer for alltoall) and "size" the full buffer
     replicated = True  # every rank ends with the same result (checked bitwise across ranks)
-    busbw_formula = ""  # busbw_factor as text, for the header
+    busbw_formula = ""  # nccl-tests' bus-bandwidth factor, one of BUSBW_FACTORS (also the header's text)
 
-    @staticmethod
-    @abstractmethod
-    def busbw_factor(p: int) -> float:
+    @classmethod
+    def busbw_factor(cls, p: int) -> float:
         """nccl-tests' bus-bandwidth factor for p ranks."""
+        return BUSBW_FACTORS[cls.busbw_formula](p)
 
     @classmethod
     def operation_name(cls) -> str:

@@ -17,10 +17,6 @@ class Reduce(Collective):
     replicated = False  # only the root receives
     busbw_formula = "1"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return 1.0
-
     def setup(self) -> None:
         # the send buffer is only read, so the check inputs are steady timing data too
         self.send = self.input_of(self.rank)

@@ -17,10 +17,6 @@ class Scatter(DataMovement):
     replicated = False  # each rank receives its own block
     busbw_formula = "(p-1)/p"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return (p - 1) / p
-
     def root_input(self) -> np.ndarray:
         return self.input_of(self.root, self.count * self.p)
 

@@ -19,10 +19,6 @@ class SendRecv(DataMovement):
     replicated = False
     busbw_formula = "1"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return 1.0
-
     @classmethod
     def algorithms(cls) -> list[str]:
         return ["p2p", "native"]
