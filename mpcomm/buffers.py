@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Any
 
 import ml_dtypes
@@ -118,9 +119,17 @@ def wire_dtype(dtype: np.dtype, widen: bool = True) -> np.dtype:
     return dtype
 
 
-def is_device_array(array) -> bool:
-    """True for a CuPy array (device memory)."""
+def is_device_array(array: Any) -> bool:
+    """True for a CuPy array (device memory): the library's one test of "is this CuPy"."""
     return type(array).__module__.split(".")[0] == "cupy"
+
+
+def array_module(*arrays: Any) -> ModuleType:
+    """``cupy`` if any argument is a CuPy array, else ``numpy``."""
+    for a in arrays:
+        if type(a) is not np.ndarray and is_device_array(a):
+            return _cupy()
+    return np
 
 
 def _cupy():

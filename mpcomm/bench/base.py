@@ -19,13 +19,11 @@ import hashlib
 from abc import ABC, abstractmethod
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from ..buffers import wire_dtype
+from ..buffers import BFLOAT16, OPS, wire_dtype
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 RAW = "mpi4py-raw"  # the algorithm name of the raw mpi4py rows
 
 # nccl-tests' bus-bandwidth factors by formula: busbw = algbw * factor(p), comparable across process counts
@@ -122,7 +120,7 @@ def reference_reduce(inputs, dtype, redop: str) -> np.ndarray:
     """
     dtype = np.dtype(dtype)
     acc_dtype = {"f": np.float64, "c": np.complex128, "i": np.int64, "u": np.uint64, "b": np.bool_}[kind(dtype)]
-    ufunc = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[redop]
+    ufunc = OPS[redop].ufunc
     acc = None
     p = 0
     for array in inputs:

@@ -16,7 +16,6 @@ All communication goes through the ``Communicator``.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
@@ -34,6 +33,7 @@ from . import fsdp_checkpoint
 from .flat_param import FlatLayout
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit, Groups, MemoryTracker, placeholder
+from .same_model import check_same_model
 from .wrap import (CallablePolicy, ModuleTypePolicy, NoWrapPolicy, SizeBasedPolicy, UnitPlan, WrapPolicy,
                    as_policy, plan_units, size_based_auto_wrap_policy)
 
@@ -131,7 +131,7 @@ class FullyShardedDataParallel:
         self.xp = array_module(*[p.data for _, p in named])
         self.cpu_offload_active = bool(cpu_offload) and self.xp is not np
         plans = plan_units(module, as_policy(auto_wrap_policy))
-        _check_same_model(comm, _describe(plans, self.strategy.value))
+        check_same_model(comm, "FullyShardedDataParallel", _describe(plans, self.strategy.value), _differences)
         self.groups = _make_groups(comm, self.strategy)
         self.tracker = MemoryTracker()
         self.units = [self._build_unit(plan, sync_module_states) for plan in plans]
@@ -341,26 +341,9 @@ def _describe(plans: list[UnitPlan], strategy: str) -> list:
                          for plan in plans]
 
 
-def _check_same_model(comm: Communicator, description: list) -> None:
-    """Every rank must hold the same units, names, shapes and dtypes; else ValueError on every rank."""
-    mine = json.dumps(description).encode()
-    lengths = np.empty(comm.size, dtype=np.int64)
-    comm.all_gather(np.array([len(mine)], dtype=np.int64), lengths)
-    width = int(lengths.max())
-    buf = np.zeros(width, dtype=np.uint8)
-    buf[: len(mine)] = np.frombuffer(mine, dtype=np.uint8)
-    everyone = np.empty(comm.size * width, dtype=np.uint8)
-    comm.all_gather(buf, everyone)
-    texts = [bytes(everyone[r * width : r * width + lengths[r]]).decode() for r in range(comm.size)]
-    if all(t == texts[0] for t in texts):
-        return
-    first = json.loads(texts[0])
-    problems = []
-    for r, text in enumerate(texts):
-        if text != texts[0]:
-            problems.append(f"rank {r}: {_first_difference(first, json.loads(text))}")
-    raise ValueError("FullyShardedDataParallel: the model differs across ranks (compared with rank 0) — "
-                     + "; ".join(problems))
+def _differences(descriptions: list[list]) -> str:
+    first = descriptions[0]
+    return "; ".join(f"rank {r}: {_first_difference(first, d)}" for r, d in enumerate(descriptions) if d != first)
 
 
 def _first_difference(a: list, b: list) -> str:
