@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -121,7 +121,7 @@ def reference_reduce(inputs, dtype, redop: str) -> np.ndarray:
     dtype = np.dtype(dtype)
     acc_dtype = {"f": np.float64, "c": np.complex128, "i": np.int64, "u": np.uint64, "b": np.bool_}[kind(dtype)]
     ufunc = OPS[redop].ufunc
-    acc = None
+    acc: Any = None
     p = 0
     for array in inputs:
         p += 1
@@ -212,7 +212,7 @@ class Collective(ABC):
     def __init__(self, comm, count: int, dtype, redop: str, root: int = 0, seed: int = 1234):
         self.comm, self.count, self.dtype, self.redop, self.root, self.seed = comm, count, np.dtype(dtype), redop, root, seed
         self.p, self.rank = comm.size, comm.rank
-        self._expected = None
+        self._expected: np.ndarray | None = None
         self.raw_comm = comm.mpi.Dup()  # the raw calls' own communicator: nothing of mpcomm's can match them
         self.setup()
         self.fill(check=False)

@@ -159,6 +159,8 @@ def memcpy_bandwidth(nbytes: int, world: MPI.Comm, budget: float = 0.05, reps: i
 def resolved_algorithm(comm, operation: str, nbytes: int, dtype, redop: str | None = None) -> str | None:
     """What "auto" picks for this call (``redop``: a reduction's op), where the selector says so (None otherwise)."""
     selector = getattr(comm, "selector", None)
+    if selector is None:
+        return None
     try:
         return str(selector.choose(operation, nbytes, np.dtype(dtype), redop))
     except Exception:  # noqa: BLE001 - informative only; a selector with another interface is fine

@@ -18,6 +18,7 @@ class SendRecv(DataMovement):
     raw_call = "Sendrecv"
     replicated = False
     busbw_formula = "1"
+    recv: np.ndarray  # on every rank
 
     @classmethod
     def algorithms(cls) -> list[str]:

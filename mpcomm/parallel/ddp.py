@@ -226,6 +226,7 @@ class _Reducer:
         self.launch_in_order()
         start = time.perf_counter()
         for b in engine._buckets:
+            assert b.work is not None  # every bucket was launched above
             b.work.wait()
             if b.finish is not None:
                 b.finish()

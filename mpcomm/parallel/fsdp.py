@@ -232,6 +232,7 @@ class FullyShardedDataParallel:
             return to_numpy(shard_array)
         xp = array_module(shard_array)
         recv = xp.empty(u.layout.padded_numel, dtype=shard_array.dtype)
+        assert self.groups.shard is not None  # more than one shard
         self.groups.shard.all_gather(shard_array, recv)
         return to_numpy(recv)
 
@@ -262,7 +263,7 @@ class FullyShardedDataParallel:
         out: dict = {}
         for i, u in enumerate(self.units):
             state = optimizer.state.get(i, {})
-            per_param = {info.name: {} for info in u.layout.params}
+            per_param: dict[str, dict] = {info.name: {} for info in u.layout.params}
             for key in sorted(state):
                 value = state[key]
                 if hasattr(value, "shape") and tuple(value.shape) == u.shard.shape:
@@ -378,6 +379,7 @@ def _make_groups(comm: Communicator, strategy: ShardingStrategy) -> Groups:
     comm.all_gather(np.array([_node_key(comm)], dtype=np.int64), keys)
     node = int(np.flatnonzero(keys == keys[comm.rank])[0])  # lowest world rank on my node names the node
     shard = comm.split(node)
+    assert shard is not None  # a color on every rank
     sizes = np.empty(comm.size, dtype=np.int64)
     comm.all_gather(np.array([shard.size], dtype=np.int64), sizes)
     if len(set(sizes.tolist())) != 1:

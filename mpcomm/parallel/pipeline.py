@@ -17,6 +17,8 @@ from mpcomm.errors import ConfigError
 from mpcomm.nn import Sequential, mse_loss
 from mpcomm.nn.backend import array_module
 
+from mpcomm.transport import Transport
+
 from .pipeline_executor import Receive, StepExecutor, StepState, instruction
 from .pipeline_shapes import StageShapes, chunk_array_module, infer_shapes
 from .schedules import B, F, RECV_F, SCHEDULES, SEND_B, message_tag, schedule as make_schedule, with_communication
@@ -150,9 +152,9 @@ class PipelineParallel:
             raise ConfigError(f"pipeline message tags up to {top} exceed the MPI tag upper bound {ub}; use fewer "
                               f"stages or micro-batches")
         self._shapes: StageShapes | None = None
-        self._in_key = None
+        self._in_key: tuple[tuple, str] | None = None  # the first stage's micro-batch (shape, dtype)
         self._recvs: list[Receive] | None = None  # see _receive_plan
-        self._wire = None  # the hand-offs' own MPI channel (made at the first step): see docs/pipeline.md
+        self._wire: Transport | None = None  # the hand-offs' own MPI channel, made at the first step if pp > 1
         self._shared: SharedHandoffs | None = None  # hand-offs within a node (made at the first step)
         self._stale_shared: SharedHandoffs | None = None  # the window of the shapes before reset_shapes()
         self._steps_called = 0  # train_step calls, failed ones included: names a step's flags in shared memory
@@ -247,6 +249,7 @@ class PipelineParallel:
     def _messages(self) -> dict[tuple[str, int, int], tuple[int, tuple, Any]]:
         """Match key -> ``(tag, shape, dtype)`` of every message this rank sends or receives in a step: a stage's
         input comes in and its gradient goes back; its output goes on and the output's gradient comes back."""
+        assert self._shapes is not None, "the shapes are inferred first"
         out = {}
         for a in self.actions:
             if not a.is_compute:
@@ -257,6 +260,7 @@ class PipelineParallel:
 
     def _largest_message(self) -> int:
         """Bytes of the largest activation or gradient a local stage receives or sends."""
+        assert self._shapes is not None, "the shapes are inferred first"
         return max(int(np.prod(shape)) * np.dtype(dtype).itemsize
                    for in_shape, in_dtype, out_shape, out_dtype in self._shapes.values()
                    for shape, dtype in ((in_shape, in_dtype), (out_shape, out_dtype)))
@@ -279,7 +283,7 @@ class PipelineParallel:
         # parameters whose .grad is None (zero_grad(set_to_none=True)): their first backward would allocate (and
         # page-fault in) fresh grad arrays on the critical path; materialise them while blocked in a receive instead
         pending_grads = [p for p in self.parameters() if p.grad is None] if self.pp > 1 else []
-        state = StepState(xs, ys, pending_grads, self.trace)
+        state = StepState(xs or [], ys or [], pending_grads, self.trace)
         executor.run(state, self._program)
         return self._finish_step(state, t_start)
 
@@ -299,16 +303,18 @@ class PipelineParallel:
             if self.pp > 1 and self._wire is None:
                 self._wire = self.comm._protocol_transport("pipeline")
         xp = chunk_array_module(self.chunks[self.stages[0]])
-        if self.pp > 1 and self._shared is None:
+        wire = self._wire
+        if wire is not None and self._shared is None:
             host = all(chunk_array_module(self.chunks[s]) is np for s in self.stages)
-            self._shared = SharedHandoffs(self._wire, self._all_actions, self._messages(), self.shared_memory and host,
+            self._shared = SharedHandoffs(wire, self._all_actions, self._messages(), self.shared_memory and host,
                                           replacing=self._stale_shared)
             self._stale_shared = None
         shared = self._shared
         if self.spin_after_send is None:  # only MPI's hand-offs may need it
-            first_free_tag = self.tag_base + 2 * self.num_stages * self.num_micro_batches  # above the data tags
-            self.spin_after_send = 0.0 if self.pp == 1 or shared.all_shared else measure_spin_after_send(
-                self.comm, self._wire, self._largest_message(), first_free_tag)
+            self.spin_after_send = 0.0
+            if wire is not None and shared is not None and not shared.all_shared:
+                first_free_tag = self.tag_base + 2 * self.num_stages * self.num_micro_batches  # above the data tags
+                self.spin_after_send = measure_spin_after_send(self.comm, wire, self._largest_message(), first_free_tag)
         if shared is not None:
             shared.begin_step(self._steps_called)
         return StepExecutor(self.chunks, num_stages=self.num_stages, pp=self.pp, rank=self.rank,

@@ -42,8 +42,8 @@ def instruction(a: Action, num_micro_batches: int, tag_base: int) -> Instruction
 class StepState:
     """What one step has in flight, and its sums."""
 
-    xs: list | None  # the micro-batches of x (where stage 0 is local) and of y (where the last stage is)
-    ys: list | None
+    xs: list  # the micro-batches of x (where stage 0 is local) and of y (where the last stage is)
+    ys: list
     pending_grads: list  # parameters whose grad is materialised while this rank is blocked in a receive
     trace: list | None  # (label, t0, t1) per action, or None
     # (request, transport, buffer, peer, tag, inbox key, label) of posted receives, in list order; request None:
@@ -154,6 +154,7 @@ class StepExecutor:
         in ``st.sends`` until it completes."""
         t0 = perf_counter()
         if tag in self.shared_out:
+            assert self.shared is not None  # shared_out is its table
             self.shared.send(tag, st.outbox.pop(key))
         else:
             data = self.xp.ascontiguousarray(st.outbox.pop(key))

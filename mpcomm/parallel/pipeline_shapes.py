@@ -31,7 +31,7 @@ def infer_shapes(comm: Any, chunks: Sequence[Any], stages: Sequence[int], num_st
     pp, rank = comm.size, comm.rank
     shapes: StageShapes = {}
     pending = []
-    prev_out = None  # output meta of the previous stage when it is local (pp == 1)
+    prev_out: tuple[tuple, Any] = ((), None)  # output meta of the previous stage when it is local (pp == 1)
     for s in stages:
         if s == 0:
             in_shape, in_dtype = tuple(first_input.shape), first_input.dtype
