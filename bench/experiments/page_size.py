@@ -1,6 +1,6 @@
 """Large all-reduces on 4 KiB pages against huge pages, per algorithm: what torch's default tensors cost.
 
-    OMP_NUM_THREADS=1 timeout 600 mpiexec -n 2 python bench/page_size.py
+    OMP_NUM_THREADS=1 timeout 600 mpiexec -n 2 python bench/experiments/page_size.py
 
 torch allocates CPU tensors on 4 KiB pages unless ``THP_MEM_ALLOC_ENABLE=1`` is set before it starts; numpy asks
 the kernel for transparent huge pages for large arrays. The same ``Communicator.allreduce`` runs on a torch tensor's

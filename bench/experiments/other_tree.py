@@ -2,7 +2,7 @@
 one job window (the editable install's import hook would otherwise always load this checkout).
 
     git archive 245c967 | tar -x -C /tmp/before
-    mpiexec -n 2 python bench/other_tree.py /tmp/before --op allreduce --dtype bfloat16 ...
+    mpiexec -n 2 python bench/experiments/other_tree.py /tmp/before --op allreduce --dtype bfloat16 ...
 """
 import runpy
 import sys

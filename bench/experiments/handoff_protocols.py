@@ -1,6 +1,6 @@
 """What a second message costs a pipeline hand-off: raw mpi4py, one message against an envelope and a payload.
 
-    OMP_NUM_THREADS=1 timeout 600 mpiexec -n 2 python bench/handoff_protocols.py
+    OMP_NUM_THREADS=1 timeout 600 mpiexec -n 2 python bench/experiments/handoff_protocols.py
 
 Rank 0 computes (three matmuls, which leave the caches cold, as a pipeline stage's forward does), sends a
 128 KiB activation and computes again before waiting for its sends (as the executor does); rank 1 waits for it.
