@@ -232,14 +232,7 @@ def _reduce(inputs: list[np.ndarray], op: str, dtype: np.dtype) -> np.ndarray:
 
 def scratch_bytes(comms) -> int:
     """The bytes of the scratch buffers mpcomm keeps for reuse (every transport of ``comms``, node parts too)."""
-    transports, total = [], 0
-    for c in comms:
-        transports += [c._sync, c._async, c._p2p.envelopes, c._p2p.payloads]
-    while transports:
-        t = transports.pop()
-        total += sum(buf.nbytes for buf in t._scratch.values())
-        transports += [sub for sub in (t._node, t._cross) if sub is not None]
-    return total
+    return sum(c.footprint()["scratch_bytes"] for c in comms)
 
 
 def run(calls: int, seed: int, warmup: int, report_every: int = 0, out=None, warm_paths: bool = False) -> dict:
@@ -273,8 +266,8 @@ def run(calls: int, seed: int, warmup: int, report_every: int = 0, out=None, war
                           f"{now['scratch'] / 2**20:.1f} MiB, python blocks {now['python_blocks']}, fds {now['fds']}, "
                           f"threads {now['threads']}, {time.perf_counter() - start:.0f} s", file=out, flush=True)
         end = watch()
-        tables = {name: {"records": len(c._sync.records) + len(c._async.records), "plans": len(c._plans),
-                         "choices": len(c.selector._decided)} for name, c in soak.comms.items()}
+        tables = {name: {key: count for key, count in c.footprint().items() if key != "scratch_bytes"}
+                  for name, c in soak.comms.items()}
     finally:
         soak.free()
     return {"calls": soak.calls, "wrong": soak.wrong, "failures": soak.failures, "combinations": len(soak.seen),

@@ -102,7 +102,7 @@ def layers(nbytes: int) -> dict:
            "Communicator.allreduce(numpy)": lambda: comm.allreduce(array)}
     plan = backend._native_plan(tensor, opts) if backend._native_plan is not None else None
     if plan is not None:
-        out["Communicator._run(the C++ plan, tensor)"] = lambda: comm._run(comm._sync, plan, tensor, plan.rop)
+        out["Communicator.run(the C++ plan, tensor)"] = lambda: comm.run(plan, tensor, plan.rop)
     else:
         out["Communicator.allreduce(tensor.numpy())"] = lambda: comm.allreduce(tensor.numpy(), "sum", "auto")
     out["BackendMpcomm.allreduce"] = lambda: backend.allreduce([tensor], opts)

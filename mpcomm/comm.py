@@ -1,6 +1,8 @@
-"""Communicator: validates arguments, dispatches to an algorithm, records what it measured.
+"""Communicator: validates arguments, describes the buffers, and hands each call to the dispatch seam.
 
-It holds no algorithm bodies (those live in ``mpcomm.algorithms``). Private duplicates of the user's
+It holds no algorithm bodies (those live in ``mpcomm.algorithms``) and does not run calls itself: planning,
+running under the deadline, agreement and stats are :class:`~mpcomm.dispatch.Dispatcher`'s (its base class),
+the one place every collective starts and ends. Private duplicates of the user's
 communicator keep traffic apart: blocking collectives, point-to-point envelopes and payloads, and the
 non-blocking collectives that run on the progress thread, so messages of one kind can never match another.
 
@@ -11,49 +13,30 @@ and cached, so a training loop's repeated calls go straight from the argument ch
 from __future__ import annotations
 
 import itertools
-import json
-import threading
-import time
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from . import p2p, staging
-from .algorithms import KEEP_LOW_PRECISION
 from .algorithms.auto import Selector
-from .algorithms.chunks import count_matrix
-from .buffers import (
-    AVG,
-    SUM,
-    NoBuffer,
-    WorkArray,
-    as_input,
-    as_output,
-    check_dtype_op,
-    reduce_op,
-    same_device,
-    wire_dtype,
-)
-from .errors import CollectiveMismatchError, CommTimeoutError, ConfigError, MpcommError
+from .buffers import SUM, NoBuffer, WorkArray, as_input, as_output, same_device
+from .dispatch import FREED, Dispatcher
+from .errors import CommTimeoutError, ConfigError, MpcommError
 from .p2p import ANY_SOURCE, Status
 from .plan import Plan
 from .settings import DEFAULT_TIMEOUT, Settings, agree
-from .transport import Transport, created, duplicate, node_topology
-from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
+from .topology import node_topology
+from .transport import Transport, created, duplicate
+from .tuning import measure, table as tuning_table
+from .work import Work
 
-_clock = time.perf_counter  # (a module-level name: one lookup less on every call)
 _BARRIER = Plan.barrier()
 _SPLIT = Plan.meeting("split")
-_PROTOCOL = Plan.meeting("protocol channel")
-_SIZE_FOR_AUTO = Plan.sum_of_int64("all_to_all_v: the ranks agree on the bytes auto decides from")
-PLAN_CACHE_SIZE = 1024  # plans kept (one per dtype, shape, op, algorithm and root)
 FREE_AGREEMENT_SECONDS = 10.0  # at most this long free() waits for the other ranks (see Communicator.free)
 
 
-class Communicator:
+class Communicator(Dispatcher):
     """A group of MPI processes and the collectives mpcomm runs over it."""
 
     def __init__(
@@ -117,12 +100,7 @@ class Communicator:
         if self.ranks_per_core > 1:  # (collectives only: a receive yielding sooner lost its core to ranks that
             for t in (self._sync, self._async):  # spin elsewhere: p = 4 ping-pong 12.6 -> 50 us on 2 cores)
                 t.share_cores()
-        self._protocols: dict[str, Transport] = {}  # see _protocol_transport
-        self._executor: ThreadPoolExecutor | None = None
-        self._inline: InlineProgress | None = None
-        self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
-        self._plans: dict = {}
-        self._plans_generation = 0  # counts the times auto's choices changed (a table loaded): plans made again
+        self._start_dispatch()
         self.selector = Selector.default(self, probe=settings.network_probe)
         if settings.tuning_file:
             self.load_tuning(settings.tuning_file, missing_ok=True)
@@ -137,7 +115,7 @@ class Communicator:
         (MPI_Comm_split has no non-blocking form), so a rank that never comes is a CommTimeoutError, not a hang
         inside the split. Its ``free()`` frees the MPI communicator made here too."""
         _check_split(color, key)
-        self._run(self._sync, _SPLIT)
+        self.run(_SPLIT)
         sub = created(lambda: self._base.Split(color, self.rank if key is None else key), "split", self.rank)
         if sub == MPI.COMM_NULL:
             return None
@@ -152,22 +130,7 @@ class Communicator:
 
     def barrier(self) -> None:
         """Block until every rank has arrived (bounded by the timeout; validated like every collective)."""
-        self._run(self._sync, _BARRIER)
-
-    def stats(self) -> dict[str, dict[str, dict[str, float]]]:
-        """Measured totals: ``{operation: {algorithm: {"calls", "bytes", "seconds"}}}``."""
-        out: dict[str, dict[str, dict[str, float]]] = {}
-        for t in (self._sync, self._async):
-            for (operation, algorithm), (calls, nbytes, seconds) in list(t.records.items()):
-                record = out.setdefault(operation, {}).setdefault(algorithm, {"calls": 0, "bytes": 0, "seconds": 0.0})
-                record["calls"] += calls
-                record["bytes"] += nbytes
-                record["seconds"] += seconds
-        return out
-
-    def reset_stats(self) -> None:
-        for t in (self._sync, self._async):
-            t.records.clear()
+        self.run(_BARRIER)
 
     # ------------------------------------------------------------------ calibration of algorithm="auto"
     def tune(self, sizes=None, repeats: int = 5, operations=("allreduce",), dtype="float32",
@@ -178,12 +141,10 @@ class Communicator:
         (see ``mpcomm.tuning``) and can be saved with ``save_tuning``. The measurement runs are not counted
         in ``stats()``. With ``verbose`` rank 0 prints the times and per-algorithm alpha/beta fits.
         """
-        from . import tuning
-
         saved = {key: list(record) for key, record in self._sync.records.items()}
         try:
-            table = tuning.tune(self, tuning.DEFAULT_SIZES if sizes is None else sizes, repeats, operations,
-                                dtype, algorithms, verbose)
+            table = measure.tune(self, measure.DEFAULT_SIZES if sizes is None else sizes, repeats, operations,
+                                 dtype, algorithms, verbose)
         finally:
             self._sync.records.clear()
             self._sync.records.update(saved)
@@ -192,18 +153,7 @@ class Communicator:
 
     def save_tuning(self, path: str) -> None:
         """Write the table ``auto`` uses to ``path`` as JSON (rank 0 writes; collective)."""
-        if self.selector.table is None:
-            raise ValueError("save_tuning: there is no tuning table; run comm.tune() or comm.load_tuning() first")
-        error = None
-        if self.rank == 0:
-            try:
-                with open(path, "w") as f:
-                    json.dump(self.selector.table, f, indent=1)
-            except OSError as exc:
-                error = f"save_tuning: cannot write {path!r}: {exc}"
-        error = self._share_from_root(error, "save_tuning")
-        if error:
-            raise OSError(error)
+        tuning_table.save(self, self.selector.table, path)
 
     def load_tuning(self, path: str, missing_ok: bool = False) -> bool:
         """Make ``auto`` use the table saved at ``path`` (read on rank 0, broadcast; collective).
@@ -211,30 +161,10 @@ class Communicator:
         Returns False, with a warning, when the table was measured on a different layout (size or ranks
         per node) or, with ``missing_ok``, when the file does not exist.
         """
-        table, error = None, None
-        if self.rank == 0:
-            try:
-                with open(path) as f:
-                    table = json.load(f)
-            except FileNotFoundError:
-                error = "missing"
-            except (OSError, ValueError) as exc:
-                error = f"load_tuning: cannot read tuning table {path!r}: {exc}"
-        table, error = self._share_from_root((table, error), "load_tuning")
-        if error == "missing":
-            if not missing_ok:
-                raise FileNotFoundError(f"load_tuning: no tuning table at {path!r}")
-            warnings.warn(f"mpcomm: tuning file {path!r} does not exist; auto uses the cost model", RuntimeWarning)
+        table = tuning_table.load(self, path, missing_ok)
+        if table is None:
             return False
-        if error:
-            raise ValueError(error)
         return self._use_table(table, f"tuning file {path!r}")
-
-    def _use_table(self, table: dict, source: str) -> bool:
-        loaded = self.selector.load(table, source=source)
-        self._plans.clear()  # plans remember auto's choices
-        self._plans_generation += 1
-        return loaded
 
     def free(self, failed: bool = False) -> bool:
         """Release the private MPI communicators and the progress thread (the wrapped comm stays); every later
@@ -247,14 +177,14 @@ class Communicator:
         the MPI communicators are left allocated. ``failed=True`` adds a failure this rank saw that the
         Communicator could not (e.g. a protocol built on its point-to-point that gave up waiting).
         """
-        if self._unusable == _FREED:
+        if self._unusable == FREED:
             return False
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._drain_deferred()
         transports = (self._sync, self._async, self._p2p.envelopes, self._p2p.payloads, *self._protocols.values())
         failed_here = failed or self._unusable is not None or any(t.failed for t in transports)
-        self._unusable = _FREED
+        self._unusable = FREED
         mine, anyone = np.array([int(failed_here)], dtype=np.int8), np.ones(1, dtype=np.int8)
         agreement = Transport(self._base, min(self.timeout, FREE_AGREEMENT_SECONDS))
         try:
@@ -275,7 +205,7 @@ class Communicator:
         """Reduce ``buf`` over all ranks, in place; returns ``buf``."""
         plan = self._ready_allreduce(buf, op, algorithm)
         if plan is not None:
-            self._run(self._sync, plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop)
+            self.run(plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop)
             return buf
         try:
             self._allreduce(self._sync, buf, op, algorithm)
@@ -356,7 +286,7 @@ class Communicator:
                             algorithm)
 
     def ibarrier(self) -> Work:
-        return self._submit("barrier", self._run, _BARRIER)
+        return self._submit("barrier", self._barrier_on)
 
     # ------------------------------------------------------------------ point to point
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
@@ -383,22 +313,9 @@ class Communicator:
         return receiving.wait()
 
     def _channels(self, operation: str) -> p2p.Channels:
-        if self._unusable == _FREED:
+        if self._unusable == FREED:
             raise MpcommError(f"rank {self.rank}: {operation}: this Communicator was freed (free() was called)")
         return self._p2p
-
-    def _protocol_transport(self, name: str) -> Transport:
-        """A private MPI communicator for messages whose sizes both sides agreed beforehand (so no envelope), of
-        a protocol built on this Communicator (e.g. the pipeline executor's hand-offs): made on the first call
-        for ``name`` — collective then, after a meeting with the deadline — reused after, freed with it."""
-        t = self._protocols.get(name)
-        if t is None:
-            self._run(self._sync, _PROTOCOL)
-            t = Transport(created(self._base.Dup, name, self.rank), self.timeout, on_timeout=p2p.ON_TIMEOUT)
-            t.operation = name
-            t.progress_hook = self._p2p.progress
-            self._protocols[name] = t
-        return t
 
     @staticmethod
     def _payload_transport(channels: p2p.Channels, operation: str, buf):
@@ -421,58 +338,58 @@ class Communicator:
     def _allreduce(self, t: Transport, buf, op, algorithm) -> None:
         plan = self._ready_allreduce(buf, op, algorithm)
         if plan is not None:
-            self._run(t, plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop)
+            self.run(plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop, transport=t)
             return
         array = as_output(buf, "allreduce")
-        plan = self._plan("allreduce", array, op, algorithm)
+        plan = self.plan("allreduce", array, op, algorithm)
         with WorkArray(array, plan.wire) as work:
-            self._run(t, plan, work, plan.rop)
+            self.run(plan, work, plan.rop, transport=t)
 
     def _reduce_scatter(self, t: Transport, sendbuf, recvbuf, op, algorithm):
         send, recv = as_input(sendbuf, "reduce_scatter"), as_output(recvbuf, "reduce_scatter")
         self._check_pair("reduce_scatter", send, recv, send.size, recv.size * self.size, "sendbuf", "size * recvbuf")
-        plan = self._plan("reduce_scatter", recv, op, algorithm)
+        plan = self.plan("reduce_scatter", recv, op, algorithm)
         with WorkArray(recv, plan.wire) as out:
-            self._run(t, plan, self._input(send, plan.wire, out), out, plan.rop)
+            self.run(plan, self._input(send, plan.wire, out), out, plan.rop, transport=t)
         return recvbuf
 
     def _all_gather(self, t: Transport, sendbuf, recvbuf, algorithm):
         send, recv = as_input(sendbuf, "all_gather"), as_output(recvbuf, "all_gather")
         self._check_pair("all_gather", send, recv, recv.size, send.size * self.size, "recvbuf", "size * sendbuf")
-        plan = self._plan("all_gather", send, None, algorithm)
+        plan = self.plan("all_gather", send, None, algorithm)
         with WorkArray(recv, recv.dtype) as out:
-            self._run(t, plan, self._input(send, send.dtype, out), out)
+            self.run(plan, self._input(send, send.dtype, out), out, transport=t)
         return recvbuf
 
     def _broadcast(self, t: Transport, buf, root, algorithm):
         array = as_output(buf, "broadcast")
-        plan = self._plan("broadcast", array, None, algorithm, root=root)
+        plan = self.plan("broadcast", array, None, algorithm, root=root)
         with WorkArray(array, array.dtype) as work:
-            self._run(t, plan, work, root)
+            self.run(plan, work, root, transport=t)
         return buf
 
     def _reduce(self, t: Transport, sendbuf, recvbuf, op, root, algorithm):
         send = as_input(sendbuf, "reduce")
-        plan = self._plan("reduce", send, op, algorithm, root=root)
+        plan = self.plan("reduce", send, op, algorithm, root=root)
         recv = self._root_buffer("reduce", recvbuf, "recvbuf", root, send, send.size)
         with WorkArray(recv, plan.wire) if recv is not None else NoBuffer() as out:
-            self._run(t, plan, self._input(send, plan.wire, out), out, plan.rop, root)
+            self.run(plan, self._input(send, plan.wire, out), out, plan.rop, root, transport=t)
         return recvbuf
 
     def _gather(self, t: Transport, sendbuf, recvbuf, root, algorithm):
         send = as_input(sendbuf, "gather")
-        plan = self._plan("gather", send, None, algorithm, root=root)
+        plan = self.plan("gather", send, None, algorithm, root=root)
         recv = self._root_buffer("gather", recvbuf, "recvbuf", root, send, send.size * self.size)
         with WorkArray(recv, send.dtype) if recv is not None else NoBuffer() as out:
-            self._run(t, plan, self._input(send, send.dtype, out), out, root)
+            self.run(plan, self._input(send, send.dtype, out), out, root, transport=t)
         return recvbuf
 
     def _scatter(self, t: Transport, sendbuf, recvbuf, root, algorithm):
         recv = as_output(recvbuf, "scatter")
-        plan = self._plan("scatter", recv, None, algorithm, root=root)
+        plan = self.plan("scatter", recv, None, algorithm, root=root)
         send = self._root_buffer("scatter", sendbuf, "sendbuf", root, recv, recv.size * self.size, output=False)
         with WorkArray(recv, recv.dtype) as out:
-            self._run(t, plan, None if send is None else self._input(send, recv.dtype, out), out, root)
+            self.run(plan, None if send is None else self._input(send, recv.dtype, out), out, root, transport=t)
         return recvbuf
 
     def _all_to_all(self, t: Transport, sendbuf, recvbuf, algorithm):
@@ -483,9 +400,9 @@ class Communicator:
                              f"size {self.size} (use all_to_all_v for uneven blocks)")
         block = send.size // self.size
         counts, displs = (block,) * self.size, tuple(range(0, block * self.size, block)) if block else (0,) * self.size
-        plan = self._plan("all_to_all", send, None, algorithm)
+        plan = self.plan("all_to_all", send, None, algorithm)
         with WorkArray(recv, recv.dtype) as out:
-            self._run(t, plan, self._input(send, send.dtype, out), counts, displs, out, counts, displs)
+            self.run(plan, self._input(send, send.dtype, out), counts, displs, out, counts, displs, transport=t)
         return recvbuf
 
     def _all_to_all_v(self, t: Transport, sendbuf, send_counts, recvbuf, recv_counts, algorithm):
@@ -500,222 +417,19 @@ class Communicator:
                              f"expects {recv_counts[self.rank]}")
         if algorithm == "auto":
             algorithm = self._agreed_choice(t, "all_to_all_v", send.nbytes, send.dtype)
-        plan = self._plan("all_to_all_v", send, None, algorithm)
+        plan = self.plan("all_to_all_v", send, None, algorithm)
         with WorkArray(recv, recv.dtype) as out:
-            self._run(t, plan, self._input(send, send.dtype, out), send_counts, _displs(send_counts), out,
-                      recv_counts, _displs(recv_counts), counts=(send_counts, recv_counts))
+            self.run(plan, self._input(send, send.dtype, out), send_counts, _displs(send_counts), out,
+                      recv_counts, _displs(recv_counts), transport=t, counts=(send_counts, recv_counts))
         return recvbuf
 
-    # ------------------------------------------------------------------ running a call
-    def _run(self, t: Transport, plan: Plan, *args, counts: tuple | None = None, record: bool = True) -> None:
-        """Run ``plan`` on ``t``: refuse on an unusable communicator or a second thread, agree (validate=True),
-        time the algorithm, record it in ``stats()`` (unless ``record`` is false); a failure midway makes the
-        communicator unusable."""
-        if self._unusable is not None or not t.in_use.acquire(False):
-            self._refuse(plan)
-        try:
-            if self._inline is not None and t is self._sync:
-                self._inline.run_until(None)
-            t.operation = plan.label
-            if self.validate:
-                self._agree(t, plan, counts)
-            start = _clock()
-            plan.fn(t, *args)
-            elapsed = _clock() - start
-            if self._unusable is not None:  # made unusable while this ran (another thread joined in)
-                raise MpcommError(f"rank {self.rank}: {plan.label}: {self._unusable}; this result may be wrong")
-        except CollectiveMismatchError:  # the ranks compared their calls and stopped cleanly: nothing in flight
-            raise
-        except MpcommError as exc:
-            self._stopped_midway(plan, exc)
-            raise
-        except MPI.Exception as exc:  # the MPI library itself refused (e.g. aliased buffers): mpcomm's error
-            error = t._mpi_error(exc, [], t.others)
-            self._stopped_midway(plan, error)
-            raise error from None
-        finally:
-            t.in_use.release()
-        if not record:
-            return
-        totals = t.records.get(plan.key)  # per (operation, algorithm): bounded whatever the shapes
-        if totals is None:
-            totals = t.records[plan.key] = [0, 0, 0.0]
-        totals[0] += 1
-        totals[1] += plan.nbytes
-        totals[2] += elapsed
-
-    def _refuse(self, plan: Plan) -> None:
-        """Raise: the communicator is unusable, or another thread is running a collective on it."""
-        if self._unusable is not None:
-            raise MpcommError(f"rank {self.rank}: {plan.label}: this communicator is unusable: {self._unusable}"
-                              + ("" if self._unusable == _FREED else _STALE))
-        self._concurrent_use(plan)
-
-    def _stopped_midway(self, plan: Plan, exc: Exception) -> None:
-        if self._unusable is None:
-            self._unusable = f"{plan.label} stopped midway ({type(exc).__name__}: {exc})"
-
-    def _concurrent_use(self, plan: Plan) -> None:
-        """A second thread called a collective while one runs: the order of calls can differ between ranks,
-        so messages could pair with the wrong call. Refuse, and poison the communicator so that the call
-        already running reports it too."""
-        message = (f"{plan.label} was called from thread {threading.current_thread().name!r} while another "
-                   "collective of this communicator was running in another thread; collectives of one "
-                   "Communicator must be called from one thread at a time, in the same order on every rank")
-        if self._unusable is None:
-            self._unusable = message
-        raise MpcommError(f"rank {self.rank}: {message}")
-
-    def _agree(self, t: Transport, plan: Plan, counts: tuple | None) -> None:
-        """validate=True: the ranks compare their calls' digests (the whole signature, any length); on a
-        difference every rank raises, listing what each passed. ``counts`` (all_to_all_v: send and receive
-        counts) are checked for consistency (what rank i sends rank j is what j expects from i)."""
-        everyone = np.empty((self.size, plan.digest.size), dtype=np.uint8)
-        t.wait([t.mpi.Iallgather(plan.digest, everyone)], t.others)
-        if not (everyone == plan.digest).all():
-            calls = t.allgather_object(plan.signature)
-            described = "; ".join(f"rank {r}: {json.dumps(call, sort_keys=True)}" for r, call in enumerate(calls))
-            raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: ranks disagree — "
-                                          f"{described}")
-        if counts is not None:
-            _, problem = count_matrix(t, *counts)
-            if problem:
-                raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: {problem}")
-
-    def _agreed_choice(self, t: Transport, operation: str, nbytes: int, dtype) -> str:
-        """auto's algorithm for a call whose bytes differ between ranks by nature (all_to_all_v): the one for the
-        ranks' mean bytes, agreed with one 8-byte all-reduce, so every rank runs the same algorithm."""
-        total = np.zeros(1, dtype=np.int64)
-        self._run(t, _SIZE_FOR_AUTO, np.array([nbytes], dtype=np.int64), total, record=False)
-        return self.selector.choose(operation, int(total[0]) // self.size, np.dtype(dtype))
-
-    # ------------------------------------------------------------------ plans
-    def _plan(self, operation: str, array, op, algorithm: str, root: int | None = None) -> Plan:
-        """The cached plan for a call on ``array`` (its dtype and shape), or a new one after the local checks
-        that do not depend on other ranks: dtype/op, algorithm name, root."""
-        if operation in _ROOTED:  # before the cache: True == 1 and 0.0 == 0 as dict keys
-            self._check_root(root, operation)
-        cacheable = type(array) is np.ndarray and type(op) in (str, type(None)) and type(algorithm) is str
-        key = (operation, array.dtype, array.shape, op, algorithm, root) if cacheable else None
-        plan = self._plans.get(key) if cacheable else None
-        if plan is not None:
-            return plan
-        rop = None
-        if operation in _REDUCING:
-            rop = reduce_op(op, operation)
-            check_dtype_op(array.dtype, rop.name, operation)
-            if rop.name == AVG:
-                rop = rop.averaged(self.size)  # each algorithm divides where it finishes a sum, before sharing it
-        else:
-            check_dtype_op(array.dtype, None, operation)
-        nbytes = array.nbytes * (self.size if operation in _PER_RANK_BLOCK else 1)  # stats: the whole buffer
-        chosen = self._resolve(operation, algorithm, nbytes, array.dtype, None if rop is None else rop.name)
-        host = type(array) is np.ndarray
-        plan = Plan(operation, chosen, array, rop, root, nbytes, host=host,
-                    wire=wire_dtype(array.dtype, widen=not (host and chosen in KEEP_LOW_PRECISION))
-                    if rop is not None else array.dtype)
-        if cacheable:
-            if len(self._plans) >= PLAN_CACHE_SIZE:  # shapes that vary (MoE, dynamic batches): the oldest goes
-                del self._plans[next(iter(self._plans))]
-            self._plans[key] = plan
-        return plan
-
-    def _resolve(self, operation: str, algorithm: str, nbytes: int, dtype, op: str | None = None) -> str:
-        from .algorithms import REGISTRY
-
-        if algorithm == "auto":
-            return self.selector.choose(operation, nbytes, np.dtype(dtype), op)
-        if not isinstance(algorithm, str) or algorithm not in REGISTRY[operation]:
-            raise ValueError(
-                f"{operation}: unknown algorithm {algorithm!r}; choose one of {sorted(REGISTRY[operation]) + ['auto']}"
-            )
-        return algorithm
-
     # ------------------------------------------------------------------ helpers
-    def _share_from_root(self, obj, operation: str):
-        """Rank 0's ``obj`` on every rank (pickled; waits bounded by the timeout, like every collective)."""
-        self._refuse_if_freed(operation)
-        with self._sync.running(operation):
-            return self._sync.bcast_object(obj, root=0)
-
-    def _submit(self, operation: str, body, *args) -> Work:
-        """Queue ``body(t, *args)`` (checked as the blocking form is: :meth:`_checked`): on the progress thread
-        (one worker, so operations run in issue order), or, when MPI cannot be called from two threads, to run
-        inside ``wait()`` (progress on wait). The body runs on the caller's current CUDA stream (device buffers:
-        see ``mpcomm.staging``)."""
-        self._refuse_if_freed(operation)
-
-        def run(t):
-            return self._checked(body, operation, *args, t=t)
-
-        run = staging.on_stream(staging.caller_stream(), run)
-        if self._executor is None and self._inline is None:
-            if self._progress == "thread" and progress_thread_allowed():
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mpcomm-progress-{self.rank}")
-            else:
-                self._inline = InlineProgress()
-        if self._inline is not None:
-            return self._inline.submit(run, self._async, operation)
-        return FutureWork(self._executor.submit(run, self._async), operation, self._others(), self.rank,
-                          self._async.waiters)
-
-    def _checked(self, body, operation: str, *args, t: Transport | None = None):
-        """``body(t, *args)``; an argument error it raises first goes through :meth:`_rejected`."""
-        t = self._sync if t is None else t
-        try:
-            return body(t, *args)
-        except (TypeError, ValueError) as exc:
-            self._rejected(t, operation, exc)
-
-    def _rejected(self, t: Transport, operation: str, exc: Exception):
-        """Re-raise the argument error ``exc`` of this rank; with validate=True first show the others, who are
-        comparing calls, what was rejected (they raise CollectiveMismatchError naming it at once, rather than
-        wait for this rank until the timeout). Ranks that all rejected the same arguments agree, and each
-        raises its own error."""
-        if self.validate and self._unusable is None and not isinstance(exc, MpcommError):
-            try:
-                self._agree(t, Plan.rejected(operation, exc), None)
-            except MpcommError:
-                pass  # the others were told; this rank's own error is the one to raise
-        raise exc
+    def _barrier_on(self, t: Transport) -> None:
+        self.run(_BARRIER, transport=t)
 
     def _allreduce_returning(self, t: Transport, buf, op, algorithm):
         self._allreduce(t, buf, op, algorithm)
         return buf
-
-    def _drain_deferred(self) -> None:
-        """Progress on wait: run the queued non-blocking collectives before a blocking one, so every rank
-        runs all its collectives in issue order whatever it waits on first."""
-        if self._inline is not None:
-            self._inline.run_until(None)
-
-    def _refuse_if_freed(self, operation: str) -> None:
-        if self._unusable == _FREED:
-            raise MpcommError(f"rank {self.rank}: {operation}: this Communicator was freed (free() was called)")
-
-    def _others(self) -> list[int]:
-        return [r for r in range(self.size) if r != self.rank]
-
-    def _check_rank(self, rank: int, role: str, operation: str) -> None:
-        if type(rank) is int and 0 <= rank < self.size:
-            return
-        if type(rank) is not int and not isinstance(rank, np.integer) or not 0 <= rank < self.size:
-            raise ValueError(f"{operation}: {role} {rank!r} is not a rank of a communicator of size {self.size} "
-                             f"(an int in 0..{self.size - 1})")
-
-    def _check_root(self, root, operation: str) -> None:
-        """ValueError for a root that is no rank. Without validate=True the other ranks may be running the
-        collective with their own root, and their messages to this rank would be taken for a later call's: so the
-        communicator becomes unusable here (the others' next collective with this rank times out naming it)."""
-        try:
-            self._check_rank(root, "root", operation)
-        except ValueError as exc:
-            if self.validate or self._unusable is not None:
-                raise  # validate=True: _rejected tells every rank at once, and nothing is left in flight
-            self._unusable = (f"{operation} was called with root {root!r} on this rank, and other ranks may have run it "
-                              "with another root, leaving messages for this rank that a later call would take")
-            raise ValueError(f"{exc}; this Communicator is now unusable on rank {self.rank} (with validate=True every "
-                             "rank raises at once instead)") from None
 
     def _check_pair(self, operation, send, recv, got, want, got_name, want_name) -> None:
         same_device(operation, send, recv)
@@ -752,12 +466,6 @@ class Communicator:
         return data
 
 
-_REDUCING = ("allreduce", "reduce_scatter", "reduce")
-_ROOTED = ("broadcast", "reduce", "gather", "scatter")
-_PER_RANK_BLOCK = ("reduce_scatter", "all_gather", "gather", "scatter")  # planned on the buffer of one rank's block
-_FREED = "it was freed (free() was called)"
-_STALE = ("; its messages may still be in flight, so later collectives could match them and return wrong data. "
-          "Create a new Communicator.")
 
 
 def _check_split(color, key) -> None:

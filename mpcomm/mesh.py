@@ -204,8 +204,8 @@ class ParallelConfig:
         return {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}.get(self.memory_strategy, 0)
 
     def pipeline_schedule(self):
-        """Per-rank compute action lists of :attr:`schedule` (see :mod:`mpcomm.parallel.schedules`)."""
-        from mpcomm.parallel.schedules import schedule
+        """Per-rank compute action lists of :attr:`schedule` (see :mod:`mpcomm.schedules`)."""
+        from mpcomm.schedules import schedule
         return schedule(self.schedule, self.pp, self.num_micro_batches, self.virtual_stages)
 
     # ---------------------------------------------------------------- validate
@@ -291,7 +291,7 @@ class ParallelConfig:
 
         Not counted: logits / loss buffers, framework workspaces, fragmentation; treat the result as a lower bound.
         """
-        from mpcomm.parallel.schedules import peak_in_flight, schedule
+        from mpcomm.schedules import peak_in_flight, schedule
 
         h = self.hidden_size if hidden is None else hidden
         if h is None or h < 1:

@@ -2,10 +2,11 @@
 
 Everything that depends only on (operation, dtype, shape, op, algorithm, root) — the algorithm function,
 the reduction, the byte count, the label of its error messages, its signature for ``validate=True`` — lives
-here, so a Communicator's repeated calls pay for the decisions once (see ``Communicator._plan``).
+here, so a Communicator's repeated calls pay for the decisions once (see ``Communicator.plan`` in ``mpcomm.dispatch``).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 
@@ -32,7 +33,8 @@ class Plan:
         elif host:
             self.fn = REGISTRY[operation][algorithm]
         else:  # device (or other) arrays: through the staging layer, which picks the transport per device
-            self.fn = lambda t, *args: staging.run(t, operation, algorithm, *args)
+            fn = REGISTRY[operation][algorithm]
+            self.fn = lambda t, *args: staging.run(t, operation, algorithm, fn, *args)
         self.key = (operation, algorithm)
         shape = None if operation == "all_to_all_v" else list(array.shape)  # v: sizes differ, counts are checked
         self.signature = {"operation": operation, "dtype": dtype_name(array.dtype), "shape": shape,
@@ -68,6 +70,13 @@ class Plan:
         plan.fn, plan.rop, plan.nbytes, plan.wire, plan.direct = fn, None, 0, None, True
         plan.key = (operation, "native")
         plan.signature, plan.label, plan._digest = signature, operation, None
+        return plan
+
+    def running(self, fn) -> "Plan":
+        """This plan with ``fn(transport, *buffers)`` in place of its algorithm (e.g. the torch backend's C++ form
+        of the same ``native`` all-reduce): same operation, stats key, label and signature."""
+        plan = copy.copy(self)
+        plan.fn = fn
         return plan
 
     @property

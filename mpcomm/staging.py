@@ -5,8 +5,8 @@ The Communicator asks :func:`for_arrays` which transport a call should use. Host
 surface (``sendrecv``/``send``/``recv``/``isend``/``irecv``/``wait``/``scratch``/``running``/``node``/``cross``),
 so every algorithm runs unchanged and its reductions (``op(a, b, out=a)`` on CuPy arrays) stay on the GPU:
 
-* :class:`DirectTransport` (``mpcomm.cuda_aware()`` is True): device buffers go to MPI as they are, after the
-  caller's current CUDA stream is synchronized (MPI knows nothing of streams).
+* :class:`~mpcomm.device.DirectTransport` (``mpcomm.cuda_aware()`` is True): device buffers go to MPI as they
+  are, after the caller's current CUDA stream is synchronized (MPI knows nothing of streams).
 * :class:`StagedTransport` (not CUDA-aware): MPI only ever sees pinned host memory. A blocking exchange is
   cut into chunks of ``MPCOMM_STAGING_CHUNK`` bytes (default 1 MiB); the device-to-host copies of all chunks
   are queued at once on a copy stream, each followed by an event, and chunk k is handed to MPI as soon as its
@@ -35,9 +35,9 @@ from typing import Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms import REGISTRY
 from .buffers import as_array, is_device_array, same_device
 from .cuda import cuda_aware
+from .device import DeviceTransport, DirectTransport, cupy_module
 from .errors import CommTimeoutError, MpcommError
 from .transport import cancel
 
@@ -88,7 +88,7 @@ def for_arrays(t, operation: str, *arrays):
     same_device(operation, *arrays)
     if not any(is_device_array(a) for a in arrays):
         return t
-    if isinstance(t, _DeviceTransport):
+    if isinstance(t, DeviceTransport):
         return t
     aware = bool(cuda_aware())
     cache = _WRAPPERS.setdefault(t, {})
@@ -104,9 +104,9 @@ def for_buffers(t, operation: str, buf):
     return for_arrays(t, operation, as_array(buf, operation))
 
 
-def algorithm(t, operation: str, name: str):
-    """The callable that runs algorithm ``name`` of ``operation`` over transport ``t`` (``fn(t, *args)``)."""
-    fn = REGISTRY[operation][name]
+def algorithm(t, operation: str, name: str, fn):
+    """``fn``, algorithm ``name`` of ``operation``, made to run over the device transport ``t``
+    (``fn(t, *args)``)."""
     if isinstance(t, StagedTransport) and name in HOST_COLLECTIVES:
         return lambda t, *args: t.run_on_host(fn, OUTPUTS[operation], *args)
     if isinstance(t, DirectTransport) and name in HOST_COLLECTIVES:
@@ -118,16 +118,16 @@ def algorithm(t, operation: str, name: str):
     return fn
 
 
-def run(t, operation: str, name: str, *args):
-    """Run algorithm ``name`` of ``operation`` on ``args`` over the transport their device calls for.
+def run(t, operation: str, name: str, fn, *args):
+    """Run ``fn``, algorithm ``name`` of ``operation``, on ``args`` over the transport their device calls for.
 
     ``t`` is the plain transport (sync or async); host arrays run on it unchanged.
     """
     if "cupy" not in sys.modules:  # no CuPy loaded, so no device arrays: the plain algorithm (small-message path)
-        return REGISTRY[operation][name](t, *args)
+        return fn(t, *args)
     arrays = [a for a in args if isinstance(a, np.ndarray) or is_device_array(a)]
     device_t = for_arrays(t, operation, *arrays)
-    return algorithm(device_t, operation, name)(device_t, *args)
+    return algorithm(device_t, operation, name, fn)(device_t, *args)
 
 
 def caller_stream():
@@ -156,108 +156,6 @@ def on_stream(stream, body):
 # ---------------------------------------------------------------------------------------------- wrappers
 
 
-def _cupy():
-    import cupy
-
-    return cupy
-
-
-class _DeviceTransport:
-    """Delegates the Transport surface to ``inner``; subclasses change how device buffers reach MPI."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self._subs: dict[str, _DeviceTransport] = {}
-
-    # attributes of the wrapped transport
-    mpi = property(lambda self: self.inner.mpi)
-    rank = property(lambda self: self.inner.rank)
-    size = property(lambda self: self.inner.size)
-    others = property(lambda self: self.inner.others)
-    timeout = property(lambda self: self.inner.timeout)
-    nodes_are_uniform = property(lambda self: self.inner.nodes_are_uniform)
-
-    @property
-    def operation(self) -> str:
-        return self.inner.operation
-
-    @operation.setter
-    def operation(self, value: str) -> None:
-        self.inner.operation = value
-
-    @property
-    def progress_hook(self):
-        return self.inner.progress_hook
-
-    @progress_hook.setter
-    def progress_hook(self, hook) -> None:
-        self.inner.progress_hook = hook
-
-    def running(self, operation: str):
-        return self.inner.running(operation)
-
-    def scratch(self, slot: str, count: int, dtype, like=None):
-        return self.inner.scratch(slot, count, dtype, like=like)
-
-    @property
-    def node(self):
-        return self._sub("node")
-
-    @property
-    def cross(self):
-        return self._sub("cross")
-
-    def _sub(self, which: str):
-        if which not in self._subs:
-            self._subs[which] = type(self)(getattr(self.inner, which))
-        return self._subs[which]
-
-    def free(self) -> None:
-        """Nothing to release: the wrapped transport owns the communicator."""
-
-    def synchronize_caller(self) -> None:
-        """Wait until the caller's current stream has finished (its kernels wrote the data MPI will read)."""
-        _cupy().cuda.get_current_stream().synchronize()
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(rank={self.rank}, size={self.size})"
-
-
-class DirectTransport(_DeviceTransport):
-    """CUDA-aware MPI: device buffers are passed to MPI directly, after the current stream is synchronized."""
-
-    def isend(self, buf, dst: int, tag: int = 0):
-        if is_device_array(buf):
-            self.synchronize_caller()
-        return self.inner.isend(buf, dst, tag)
-
-    def irecv(self, buf, src: int, tag: int = 0):
-        if is_device_array(buf):
-            self.synchronize_caller()  # earlier kernels may still read the buffer MPI is about to write
-        return self.inner.irecv(buf, src, tag)
-
-    def wait(self, requests, peers, expected=(), timeout=None, **names) -> None:
-        self.inner.wait(requests, peers, expected, timeout, **names)
-
-    def wait_one(self, request, peers=None, status=None, operation=None) -> None:
-        self.inner.wait_one(request, peers, status, operation)
-
-    def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0) -> None:
-        self.synchronize_caller()
-        self.inner.sendrecv(sendbuf, dst, recvbuf, src, tag)
-
-    def send(self, buf, dst: int, tag: int = 0) -> None:
-        self.synchronize_caller()
-        self.inner.send(buf, dst, tag)
-
-    def recv(self, buf, src: int, tag: int = 0) -> None:
-        self.synchronize_caller()
-        self.inner.recv(buf, src, tag)
-
-    def _wire(self, buf):
-        return self.inner._wire(buf)
-
-
 class CudaCopier:
     """Pinned host buffers and two copy streams (device-to-host, host-to-device) for one GPU.
 
@@ -267,7 +165,7 @@ class CudaCopier:
     """
 
     def __init__(self, device_id: int):
-        cupy = _cupy()
+        cupy = cupy_module()
         self.device_id = device_id
         with cupy.cuda.Device(device_id):
             self.d2h = cupy.cuda.Stream(non_blocking=True)
@@ -278,11 +176,11 @@ class CudaCopier:
         self._to_device = getattr(runtime, "memcpyHostToDevice", 1)
 
     def scope(self):
-        return _cupy().cuda.Device(self.device_id)
+        return cupy_module().cuda.Device(self.device_id)
 
     def pinned(self, nbytes: int) -> np.ndarray:
         """A fresh pinned host byte array (from CuPy's pinned memory pool, which caches freed blocks)."""
-        memory = _cupy().cuda.alloc_pinned_memory(max(nbytes, 1))
+        memory = cupy_module().cuda.alloc_pinned_memory(max(nbytes, 1))
         return np.frombuffer(memory, dtype=np.uint8, count=max(nbytes, 1))[:nbytes]  # base keeps memory alive
 
     def slot(self, name: str, nbytes: int) -> np.ndarray:
@@ -295,7 +193,7 @@ class CudaCopier:
 
     def after_caller(self) -> None:
         """Make both copy streams wait for the work queued so far on the caller's current stream."""
-        cupy = _cupy()
+        cupy = cupy_module()
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(cupy.cuda.get_current_stream())
         self.d2h.wait_event(ready)
@@ -303,7 +201,7 @@ class CudaCopier:
 
     def to_host(self, host: np.ndarray, device, lo: int = 0, hi: int | None = None):
         """Queue device bytes [lo, hi) -> host[lo:hi] on the d2h stream; returns the event that marks it done."""
-        cupy = _cupy()
+        cupy = cupy_module()
         hi = device.nbytes if hi is None else hi
         if hi > lo:
             cupy.cuda.runtime.memcpyAsync(host.ctypes.data + lo, device.data.ptr + lo, hi - lo,
@@ -316,7 +214,7 @@ class CudaCopier:
         """Queue host[lo:hi] -> device bytes [lo, hi) on the h2d stream."""
         hi = device.nbytes if hi is None else hi
         if hi > lo:
-            _cupy().cuda.runtime.memcpyAsync(device.data.ptr + lo, host.ctypes.data + lo, hi - lo,
+            cupy_module().cuda.runtime.memcpyAsync(device.data.ptr + lo, host.ctypes.data + lo, hi - lo,
                                              self._to_device, self.h2d.ptr)
 
     def sync_d2h(self) -> None:
@@ -327,14 +225,14 @@ class CudaCopier:
 
     @staticmethod
     def contiguous(array):
-        return array if array.flags.c_contiguous else _cupy().ascontiguousarray(array)
+        return array if array.flags.c_contiguous else cupy_module().ascontiguousarray(array)
 
     @staticmethod
     def empty(shape, dtype):
-        return _cupy().empty(shape, dtype)
+        return cupy_module().empty(shape, dtype)
 
 
-class StagedTransport(_DeviceTransport):
+class StagedTransport(DeviceTransport):
     """MPI that is not CUDA-aware: device data crosses MPI only as pinned host copies (see the module doc).
 
     ``staged(array)`` says which arrays are staged (CuPy arrays) and ``copier_for(array)`` gives the copier
@@ -546,7 +444,6 @@ class StagedTransport(_DeviceTransport):
 
 
 __all__ = [
-    "DirectTransport",
     "StagedTransport",
     "for_arrays",
     "for_buffers",

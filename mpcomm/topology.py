@@ -1,4 +1,7 @@
-"""How fast the network between a communicator's nodes is, measured once when the communicator spans nodes.
+"""Where the ranks sit (:func:`node_topology`: nodes, their sizes, shared cores) and how fast the network between a
+communicator's nodes is (:func:`measure`), both found out once when a Communicator is made.
+
+The network:
 
 The all-reduce algorithms differ mainly in how many bytes each node's NIC carries (at 2 nodes x 2 ranks: ring
 1.5 n, rhd 2 n, hierarchical n), and in how many messages cross it; whether that matters depends on the
@@ -21,13 +24,14 @@ hang. At 1 Gb/s the probe takes ~10 ms on a quiet machine; on a single host noth
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-from .transport import Transport
+from .transport import Transport, split_node
 
 TARGET_SECONDS = 2e-3  # a timed exchange this long is well above the latency, even on a 400 Gb/s link
 FIRST_PROBE_BYTES = 256 << 10
@@ -126,3 +130,38 @@ def _bandwidth(t: Transport, partner: int, latency: float) -> tuple[float, int]:
         if elapsed >= TARGET_SECONDS or nbytes >= MAX_PROBE_BYTES:
             return max(elapsed - latency, elapsed / 2) / nbytes, nbytes
         nbytes *= 4
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a rank sits: its place in its node, every node's size (in node-leader rank order), and the largest
+    ratio over the hosts of ranks to the CPUs they may run on (above 1 the ranks share cores)."""
+
+    node_rank: int
+    node_size: int
+    node_sizes: tuple[int, ...]
+    ranks_per_core: float
+
+
+def node_topology(t: Transport, ranks_per_node: int | None) -> Topology:
+    """The topology of ``t``'s communicator (collective). The splits block (MPI has no non-blocking split), so
+    call it once every rank is known to be here; the exchange after them waits with ``t``'s deadline."""
+    node = split_node(t.mpi, ranks_per_node)
+    host = t.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=t.rank) if ranks_per_node else node
+    try:
+        host_group, group = host.Get_group(), t.mpi.Get_group()
+        host_leader = MPI.Group.Translate_ranks(host_group, [0], group)[0]
+        host_group.Free()
+        group.Free()
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        mine = (node.Get_rank(), node.Get_size(), host_leader, cpus)
+    finally:
+        if host is not node:
+            host.Free()
+        node.Free()
+    everyone = t.allgather_object(mine)
+    hosts: dict[int, list] = {}
+    for _, _, leader, allowed in everyone:
+        hosts.setdefault(leader, []).append(set(allowed))
+    ratio = max(len(sets) / max(1, len(set().union(*sets))) for sets in hosts.values())
+    return Topology(mine[0], mine[1], tuple(size for rank, size, _, _ in everyone if rank == 0), float(ratio))

@@ -10,7 +10,6 @@ import os
 import pickle
 import threading
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
 
@@ -252,6 +251,11 @@ class Transport:
             sub.spins_before_yield, sub.quick_tests = self.spins_before_yield, self.quick_tests
             sub.waiters = self.waiters
 
+    def scratch_bytes(self) -> int:
+        """The bytes of the scratch buffers kept for reuse, those of the node and cross parts included."""
+        return (sum(buf.nbytes for buf in self._scratch.values())
+                + sum(sub.scratch_bytes() for sub in (self._node, self._cross) if sub is not None))
+
     def free(self) -> None:
         """Release the MPI communicators this transport owns."""
         for sub in (self._node, self._cross):
@@ -420,38 +424,3 @@ def split_node(mpi_comm: MPI.Comm, ranks_per_node: int | None) -> MPI.Comm:
         rank = mpi_comm.Get_rank()
         return mpi_comm.Split(rank // int(ranks_per_node), rank)
     return mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where a rank sits: its place in its node, every node's size (in node-leader rank order), and the largest
-    ratio over the hosts of ranks to the CPUs they may run on (above 1 the ranks share cores)."""
-
-    node_rank: int
-    node_size: int
-    node_sizes: tuple[int, ...]
-    ranks_per_core: float
-
-
-def node_topology(t: Transport, ranks_per_node: int | None) -> Topology:
-    """The topology of ``t``'s communicator (collective). The splits block (MPI has no non-blocking split), so
-    call it once every rank is known to be here; the exchange after them waits with ``t``'s deadline."""
-    node = split_node(t.mpi, ranks_per_node)
-    host = t.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=t.rank) if ranks_per_node else node
-    try:
-        host_group, group = host.Get_group(), t.mpi.Get_group()
-        host_leader = MPI.Group.Translate_ranks(host_group, [0], group)[0]
-        host_group.Free()
-        group.Free()
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        mine = (node.Get_rank(), node.Get_size(), host_leader, cpus)
-    finally:
-        if host is not node:
-            host.Free()
-        node.Free()
-    everyone = t.allgather_object(mine)
-    hosts: dict[int, list] = {}
-    for _, _, leader, allowed in everyone:
-        hosts.setdefault(leader, []).append(set(allowed))
-    ratio = max(len(sets) / max(1, len(set().union(*sets))) for sets in hosts.values())
-    return Topology(mine[0], mine[1], tuple(size for rank, size, _, _ in everyone if rank == 0), float(ratio))

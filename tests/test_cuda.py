@@ -312,7 +312,7 @@ def test_staged_allreduce_matches_plain(comm, staged, name, count):
     def body():
         with staged.running(f"staged allreduce[{name}]"):
             if count:
-                staging.algorithm(staged, "allreduce", name)(staged, work, reduce_op("sum"))
+                staging.algorithm(staged, "allreduce", name, REGISTRY["allreduce"][name])(staged, work, reduce_op("sum"))
 
     in_step(body)
     results = gather(work)
@@ -337,7 +337,7 @@ def test_staged_scatter_gather_match_plain(comm, staged, operation):
             plain, work = np.empty(p * 37, np.float32), np.empty(p * 37, np.float32)
             comm.all_gather(send, plain, algorithm=name)
             args = (send, work)
-        in_step(lambda: staging.algorithm(staged, operation, name)(staged, *args))
+        in_step(lambda: staging.algorithm(staged, operation, name, REGISTRY[operation][name])(staged, *args))
         assert_bitwise_equal([work, plain], f"staged {operation}[{name}] vs plain")
         if operation == "all_gather":
             assert_bitwise_equal(gather(work), f"staged {operation}[{name}] across ranks")
@@ -347,12 +347,12 @@ def test_staged_scatter_gather_match_plain(comm, staged, operation):
 def test_staged_broadcast_and_native_route(comm, staged):
     for name in sorted(REGISTRY["broadcast"]):
         buf = np.full(50, comm.rank, dtype=np.int64)
-        in_step(lambda: staging.algorithm(staged, "broadcast", name)(staged, buf, comm.size - 1))
+        in_step(lambda: staging.algorithm(staged, "broadcast", name, REGISTRY["broadcast"][name])(staged, buf, comm.size - 1))
         assert (buf == comm.size - 1).all(), f"broadcast[{name}]"
     # native is routed through whole-buffer host copies: one copy out per argument, one back per output
     before = dict(staged.copier.copies)
     buf = np.full(10, comm.rank + 1.0)
-    in_step(lambda: staging.algorithm(staged, "allreduce", "native")(staged, buf, reduce_op("sum")))
+    in_step(lambda: staging.algorithm(staged, "allreduce", "native", REGISTRY["allreduce"]["native"])(staged, buf, reduce_op("sum")))
     assert (buf == comm.size * (comm.size + 1) / 2).all()
     assert staged.copier.copies["to_host"] - before["to_host"] == 1
     assert staged.copier.copies["to_device"] - before["to_device"] == 1

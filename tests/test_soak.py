@@ -15,7 +15,7 @@ import pytest
 from conftest import WORLD
 
 from mpcomm.algorithms import REGISTRY
-from mpcomm.comm import PLAN_CACHE_SIZE
+from mpcomm.dispatch import PLAN_CACHE_SIZE
 from mpcomm.algorithms.auto import MEMO_SIZE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))

@@ -20,7 +20,7 @@ from conftest import WORLD, make_input, run_gathered
 
 from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY
-from mpcomm.tuning import main as tuning_main
+from mpcomm.tuning.cli import main as tuning_main
 
 P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 ROOT = P - 1

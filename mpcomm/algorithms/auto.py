@@ -25,10 +25,9 @@ import numpy as np
 from .. import topology
 from ..buffers import AVG, LOW_PRECISION, MAX, MIN
 from ..mpi_library import library
-from ..tuning_table import check_table
+from ..tuning.table import TABLE_FORMAT, check_table
 from . import KEEP_LOW_PRECISION
 
-TABLE_FORMAT = "mpcomm-tuning/1"
 STEADY = ("ring", "ring_pipelined")  # algorithms whose every rank talks to the same two peers all call long
 MEMO_SIZE = 1024  # decisions remembered (Selector.choose): varying sizes must not grow memory
 STEADY_MARGIN = 0.05  # across nodes, a ring this close to the cheapest prediction is preferred (Selector.predict)
@@ -373,11 +372,16 @@ class Selector:
         if probe is None:
             probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
         if layout.num_nodes > 1 and probe:
-            network = topology.measure(comm._sync)  # None when the "nodes" are ranks_per_node blocks of one host
+            network = topology.measure(comm.transport)  # None when the "nodes" are ranks_per_node blocks of one host
             if network is not None:
                 model = model.with_network(network)
         return cls(layout=layout, candidates={op: tuple(algs) for op, algs in REGISTRY.items()}, model=model,
                    network=network)
+
+    @property
+    def decisions_kept(self) -> int:
+        """How many decisions :meth:`choose` remembers now (at most ``MEMO_SIZE``)."""
+        return len(self._decided)
 
     def choose(self, operation: str, nbytes: int, dtype, op: str | None = None) -> str:
         """The algorithm for this call (``op``: the reduction's name, None for data movement); decisions are

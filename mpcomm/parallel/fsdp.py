@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from ..nn import Module, Parameter
 from ..nn.backend import array_module, to_numpy
 from . import fsdp_checkpoint
+from .fsdp_checkpoint import check_optimizer
 from .flat_param import FlatLayout
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit, Groups, MemoryTracker, placeholder
@@ -328,12 +329,6 @@ class FullyShardedDataParallel:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-
-def check_optimizer(engine: FullyShardedDataParallel, optimizer) -> None:
-    mine = [id(p) for p in engine.parameters()]
-    if [id(p) for p in getattr(optimizer, "params", [])] != mine:
-        raise ValueError("the optimizer must be built over exactly engine.parameters(), in that order")
 
 
 # ---- construction helpers (collective) ------------------------------------------------------------

@@ -310,9 +310,15 @@ def _optimizer_parts(engine, optimizer, i: int) -> tuple[dict, dict]:
     return arrays, scalars
 
 
-def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) -> None:
-    from .fsdp import check_optimizer
+def check_optimizer(engine: "FullyShardedDataParallel", optimizer) -> None:
+    """ValueError unless ``optimizer`` was built over exactly ``engine.parameters()``, in that order (its state is
+    saved and loaded per shard, by position)."""
+    mine = [id(p) for p in engine.parameters()]
+    if [id(p) for p in getattr(optimizer, "params", [])] != mine:
+        raise ValueError("the optimizer must be built over exactly engine.parameters(), in that order")
 
+
+def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) -> None:
     comm, groups = engine.comm, engine.groups
     if optimizer is not None:
         check_optimizer(engine, optimizer)
@@ -359,8 +365,6 @@ def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) 
 
 def load_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) -> None:
     """Verify and read this rank's shards; only when every rank succeeded is anything changed (collective)."""
-    from .fsdp import check_optimizer
-
     if optimizer is not None:
         check_optimizer(engine, optimizer)
     staged = _on_every_rank(engine.comm, f"FSDP load_sharded({path!r})",

@@ -301,7 +301,7 @@ class PipelineParallel:
                                         xs[0] if xs is not None else None, self._meta_tag)
             self._in_key = key
             if self.pp > 1 and self._wire is None:
-                self._wire = self.comm._protocol_transport("pipeline")
+                self._wire = self.comm.protocol_transport("pipeline")
         xp = chunk_array_module(self.chunks[self.stages[0]])
         wire = self._wire
         if wire is not None and self._shared is None:

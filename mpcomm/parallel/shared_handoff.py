@@ -31,7 +31,7 @@ from mpi4py import MPI
 from mpcomm.errors import MpcommError
 from mpcomm.transport import Transport
 
-from .schedules import B, Action, execution_order
+from ..schedules import B, Action, execution_order
 
 _LINE = 64  # bytes: slots and flags start on cache lines of their own (a flag: one writer, one poller)
 

@@ -27,7 +27,7 @@ from mpcomm.nn.backend import array_module
 from mpcomm.workload import Workload, param_checksum
 
 from .pipeline import PipelineParallel, partition_layers
-from .schedules import bubble_fraction_theory
+from ..schedules import bubble_fraction_theory
 from .tensor import CommTimer, parallelize_mlp_blocks
 
 __all__ = ["ThreeDParallel", "reference_train", "train_model_parallel"]

@@ -103,7 +103,7 @@ def test_taken_where_auto_plans_native_and_equal_to_numpy(pg, dtype):
             opts.reduceOp = getattr(R, op)
             plan = backend_of(pg)._native_plan(tensor, opts)
             array = tensor.numpy()
-            assert (plan is not None) == (backend_of(pg).comm._plan("allreduce", array, NAMES[op], "auto").algorithm
+            assert (plan is not None) == (backend_of(pg).comm.plan("allreduce", array, NAMES[op], "auto").algorithm
                                           == "native"), (op, n)
             before = calls(pg, "native")
             dist.all_reduce(tensor, op=getattr(R, op))

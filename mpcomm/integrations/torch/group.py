@@ -7,27 +7,30 @@ collectives, DTensor) all reach these methods. The class derives from torch's Py
 has one (2.14 on) and from ``backend_base.cpp`` where it has not (``base.py`` chooses); the methods take torch's
 Backend names either way. Collectives go through the Backend's :class:`~.lane.Lane` (issue order, synchronous calls
 inline); sends and receives use mpcomm's point-to-point directly.
+
+The class is assembled from what it does: this module holds the group (running calls in issue order, the
+gathers, reduce-scatters and all-to-alls, barriers, point-to-point, teardown); the all-reduce paths are
+:class:`~.allreduce.AllreducePaths` and the rooted calls :class:`~.rooted.RootedCalls`.
 """
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from functools import partial
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ...algorithms import REGISTRY
 from ...comm import Communicator
 from ...p2p import ANY_SOURCE
+from .allreduce import AllreducePaths
 from .base import backend_base, keep_alive
 from .lane import Job, Lane, done_work, p2p_work, queued_work
-from .pages import MIN_BYTES as HUGE_PAGES_FROM, HugePages
-from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, torch_error
+from .pages import HugePages
+from .rooted import RootedCalls
+from .tensors import Reduction, as_numpy, as_reducible, reduction, same_dtype, same_layout, torch_error, unpack
 
 BACKEND = "mpcomm"
 # monitored_barrier's tags: the top of the MPI library's tag range (see _next_monitor_tags).
@@ -36,7 +39,7 @@ _MONITOR_TAGS = min(0x10000, (_TAG_UB + 1) // 2)
 _MONITOR_TAG = _TAG_UB + 1 - _MONITOR_TAGS
 
 
-class BackendMpcomm(backend_base()):
+class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):
     """``torch.distributed`` over an :class:`mpcomm.Communicator` (CPU tensors)."""
 
     def __init__(self, comm: Communicator, algorithm: str = "auto", name: str = "", owned: MPI.Comm | None = None):
@@ -111,181 +114,6 @@ class BackendMpcomm(backend_base()):
         if got != want:
             raise ValueError(f"mpcomm backend: {operation}: {what} has {got} entries, the group has {want} ranks")
 
-    # ------------------------------------------------------------------ all-reduce
-    def allreduce(self, tensors, opts=None):
-        """Each tensor <- the reduction over ranks (a list of several is reduced together first, as gloo does).
-
-        A synchronous call (``opts.asyncOp`` false, as ``dist.all_reduce`` makes it) that could run at once returns
-        None once done: ``dist.all_reduce`` then has nothing to wait for ("the backend has synced"), and the
-        8-byte call is spared a Work it would only discard."""
-        if opts is None:
-            opts = dist.AllreduceOptions()
-        native_plan = self._native_plan
-        if native_plan is not None and len(tensors) == 1:
-            # The C++ extension takes the synchronous call on a tensor as it is where the Communicator plans its
-            # native all-reduce (native_allreduce.cpp); it runs under Communicator._run, as every call does.
-            plan = native_plan(tensors[0], opts)
-            if plan is not None and self._lane.enter():
-                if plan.nbytes >= HUGE_PAGES_FROM:
-                    self._pages.reused(tensors[0])
-                comm = self.comm
-                self._sequence += 1
-                self._run_here("allreduce", comm._run, comm._sync, plan, tensors[0], plan.rop)
-                return None
-        if not opts.asyncOp and len(tensors) == 1 and self._allreduce_now(tensors, opts):
-            return None
-        if len(tensors) != 1:
-            return self._issue("allreduce", self._allreduce_several(tensors, opts.reduceOp), tensors, opts)
-        tensor = tensors[0]
-        red = reduction(opts.reduceOp, tensor.dtype, "allreduce")
-        if tensor.is_sparse:
-            return self._issue("allreduce", self._allreduce_sparse(tensor, red), tensors, opts)
-        array = as_reducible(tensor, "allreduce tensor")
-        if array.nbytes >= HUGE_PAGES_FROM:
-            self._pages.reused(tensor)
-        if red.local is not None:
-            return self._issue("allreduce", partial(self._allreduce_gathered, array, red), tensors, opts)
-        return self._issue("allreduce", partial(self.comm.allreduce, array, red.name, self.algorithm), tensors, opts)
-
-    def _allreduce_now(self, tensors, opts):
-        """``dist.all_reduce(t)``: its per-call cost is what this backend is measured by, so the common case takes
-        the fewest steps: a reduction mpcomm runs itself, already seen for this dtype; a tensor ``Tensor.numpy()``
-        takes as it is; nothing pending on the lane. Then it runs here (True); else False (``allreduce`` goes on)."""
-        tensor = tensors[0]
-        red = direct_reduction((hash(opts.reduceOp), tensor.dtype))  # (a ReduceOp hashes to its op number)
-        if red is None:
-            return False
-        try:
-            array = tensor.numpy()
-        except (TypeError, RuntimeError, AttributeError):  # bfloat16, requires_grad, sparse, ...: the long way
-            return False
-        if not self._lane.enter():
-            return False
-        if array.nbytes >= HUGE_PAGES_FROM:
-            self._pages.reused(tensor)
-        self._sequence += 1
-        self._run_here("allreduce", self.comm.allreduce, array, red.name, self.algorithm)
-        return True
-
-    def _native_allreduce(self):
-        """The C++ all-reduce for this group's communicator (extension.py), or None where it cannot be built."""
-        from . import extension
-
-        module = extension.load()
-        if module is None:
-            return None
-        t = self.comm._sync
-        return module.NativeAllreduce(t.mpi.py2f(), t.size, self.comm, self._planned_natively, MPI.Request.f2py,
-                                      MPI.Exception, t.quick_tests)
-
-    def _planned_natively(self, tensor, opts):
-        """For the C++ all-reduce, on a call it has not seen since auto's choices last changed: a copy of the
-        Communicator's plan that runs in C++, if that plan is its native all-reduce on the buffer as it is; else
-        None."""
-        red = reduction(opts.reduceOp, tensor.dtype, "allreduce")
-        if red.local is not None:
-            return None
-        array = tensor.detach().numpy().reshape(-1)
-        plan = self.comm._plan("allreduce", array, red.name, self.algorithm)
-        if plan.fn is not REGISTRY["allreduce"]["native"] or not plan.direct or plan.rop.divisor != 1:
-            return None
-        runner = copy.copy(plan)
-        runner.fn = self._native_run
-        return runner
-
-    def _allreduce_gathered(self, array: np.ndarray, red: Reduction) -> None:
-        """A reduction mpcomm does not run itself (bitwise ops): gather every rank's array, reduce in rank order."""
-        everyone = np.empty((self.comm.size,) + array.shape, dtype=array.dtype)
-        self.comm.all_gather(array, everyone, algorithm=self.algorithm)
-        array[...] = red.over(everyone)
-
-    def _allreduce_sparse(self, tensor, red: Reduction) -> Callable[[], None]:
-        """A sparse COO all-reduce (SUM, as gloo): every rank's indices and values gathered, summed by coalescing."""
-        if red.name != "sum" or tensor.dtype is torch.bool:
-            raise NotImplementedError(f"mpcomm backend: sparse allreduce supports ReduceOp.SUM only, got "
-                                      f"ReduceOp.{red.torch_name} on {tensor.dtype}")
-        if not tensor.is_cpu:
-            raise ValueError(f"mpcomm backend: allreduce tensor is on {tensor.device}; this backend handles CPU "
-                             "tensors")
-
-        def body():
-            local = tensor.detach().coalesce()
-            indices = self._all_gather_v(as_numpy(local._indices().t().contiguous()))
-            values = self._all_gather_v(as_numpy(local._values().contiguous()))
-            summed = torch.sparse_coo_tensor(torch.from_numpy(indices).t(), torch.from_numpy(values),
-                                             tensor.shape).coalesce()
-            with torch.no_grad():
-                tensor.copy_(summed)
-
-        return body
-
-    def _all_gather_v(self, rows: np.ndarray) -> np.ndarray:
-        """Every rank's ``rows`` (any number of rows of one shape) stacked in rank order."""
-        counts = np.empty(self.comm.size, dtype=np.int64)
-        self.comm.all_gather(np.array([rows.shape[0]], dtype=np.int64), counts, algorithm=self.algorithm)
-        row = int(np.prod(rows.shape[1:], dtype=np.int64))
-        out = np.empty((int(counts.sum()),) + rows.shape[1:], dtype=rows.dtype)
-        self.comm.all_to_all_v(np.tile(rows.reshape(-1), self.comm.size), [rows.size] * self.comm.size, out,
-                               [int(c) * row for c in counts], algorithm=self.algorithm)
-        return out
-
-    def _allreduce_several(self, tensors, op):
-        _same_layout("allreduce", tensors)
-        arrays = [as_reducible(t, "allreduce tensor") for t in tensors]
-        red = reduction(op, tensors[0].dtype, "allreduce")
-        local = red.local or _UFUNCS.get(red.name)
-        if local is None:
-            raise NotImplementedError(f"mpcomm backend: allreduce of a list of {len(tensors)} tensors with "
-                                      f"ReduceOp.{red.torch_name} is not supported (pass one tensor)")
-
-        def body():
-            combined = local.reduce(np.stack(arrays), axis=0)
-            if red.local is None:
-                self.comm.allreduce(combined, red.name, self.algorithm)
-            else:
-                self._allreduce_gathered(combined, red)
-            for array in arrays:
-                array[...] = combined
-
-        return body
-
-    def allreduce_coalesced(self, tensors, opts=None):
-        """Every tensor all-reduced; those of one dtype travel as one flat buffer."""
-        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
-        groups: dict[torch.dtype, list] = {}
-        for t in tensors:
-            groups.setdefault(t.dtype, []).append(t)
-        plans = [(reduction(opts.reduceOp, dtype, "allreduce_coalesced"),
-                  [as_reducible(t, "allreduce_coalesced tensor") for t in group]) for dtype, group in groups.items()]
-
-        def body():
-            for red, arrays in plans:
-                flat = np.concatenate([a.reshape(-1) for a in arrays])
-                if red.local is None:
-                    self.comm.allreduce(flat, red.name, self.algorithm)
-                else:
-                    self._allreduce_gathered(flat, red)
-                _unpack(flat, arrays)
-
-        return self._issue("allreduce_coalesced", body, tensors, opts)
-
-    # ------------------------------------------------------------------ broadcast
-    def broadcast(self, tensors, opts=None):
-        """Every tensor <- the root's ``tensors[opts.rootTensor]``."""
-        opts = opts if opts is not None else dist.BroadcastOptions()
-        root, index = opts.rootRank, opts.rootTensor
-        _same_layout("broadcast", tensors)
-        arrays = [as_numpy(t, "broadcast tensor") for t in tensors]
-        source = arrays[index]
-
-        def body():
-            self.comm.broadcast(source, root=root, algorithm=self.algorithm)
-            for i, array in enumerate(arrays):
-                if i != index:
-                    array[...] = source
-
-        return self._issue("broadcast", body, tensors, opts)
-
     # ------------------------------------------------------------------ all-gather
     def allgather(self, output_tensors, input_tensors, opts=None):
         """``output_tensors[i][r]`` <- rank r's ``input_tensors[i]`` (sizes may differ between ranks)."""
@@ -298,7 +126,7 @@ class BackendMpcomm(backend_base()):
             self._check_size("allgather", "an output list", len(outputs), self.comm.size)
             send = as_numpy(tensor, "allgather input")
             recvs = [as_numpy(o, "allgather output") for o in outputs]
-            _same_dtype("allgather", [tensor, *outputs])
+            same_dtype("allgather", [tensor, *outputs])
             if recvs[self.comm.rank].size != send.size:
                 raise ValueError(f"mpcomm backend: allgather: this rank's output tensor has {recvs[self.comm.rank].size} "
                                  f"elements, its input {send.size}")
@@ -314,7 +142,7 @@ class BackendMpcomm(backend_base()):
                     gathered = np.empty(sum(counts), dtype=send.dtype)
                     self.comm.all_to_all_v(np.tile(send.reshape(-1), self.comm.size), [send.size] * self.comm.size,
                                            gathered, counts, algorithm=self.algorithm)
-                _unpack(gathered, recvs)
+                unpack(gathered, recvs)
 
         return self._issue("allgather", body, output_tensors, opts)
 
@@ -327,7 +155,7 @@ class BackendMpcomm(backend_base()):
 
     def _all_gather_step(self, output, input) -> Callable[[], None]:
         out, send = as_numpy(output, "all_gather output"), as_numpy(input, "all_gather input")
-        _same_dtype("all_gather_into_tensor", [input, output])
+        same_dtype("all_gather_into_tensor", [input, output])
         if out.size != self.comm.size * send.size:
             raise ValueError(f"mpcomm backend: all_gather_into_tensor: output has {out.size} elements, needs group "
                              f"size {self.comm.size} x input {send.size}")
@@ -367,7 +195,7 @@ class BackendMpcomm(backend_base()):
         steps = []
         for out, inputs in zip(output_tensors, input_tensors, strict=True):
             self._check_size("reduce_scatter", "an input list", len(inputs), self.comm.size)
-            _same_layout("reduce_scatter", [out, *inputs])
+            same_layout("reduce_scatter", [out, *inputs])
             recv = as_reducible(out, "reduce_scatter output")
             sends = [as_reducible(t, "reduce_scatter input") for t in inputs]
             red = reduction(opts.reduceOp, out.dtype, "reduce_scatter")
@@ -384,7 +212,7 @@ class BackendMpcomm(backend_base()):
 
     def _reduce_scatter_step(self, output, input, op) -> Callable[[], None]:
         recv, send = as_reducible(output, "reduce_scatter output"), as_reducible(input, "reduce_scatter input")
-        _same_dtype("reduce_scatter_tensor", [input, output])
+        same_dtype("reduce_scatter_tensor", [input, output])
         if send.size != self.comm.size * recv.size:
             raise ValueError(f"mpcomm backend: reduce_scatter_tensor: input has {send.size} elements, needs group "
                              f"size {self.comm.size} x output {recv.size}")
@@ -406,85 +234,13 @@ class BackendMpcomm(backend_base()):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    # ------------------------------------------------------------------ rooted
-    def reduce(self, tensors, opts=None):
-        """The root's ``tensors[rootTensor]`` <- the reduction over ranks (the others' tensors are left as they
-        were; torch defines the result on the root only)."""
-        opts = opts if opts is not None else dist.ReduceOptions()
-        root = opts.rootRank
-        tensor = tensors[opts.rootTensor]
-        red = reduction(opts.reduceOp, tensor.dtype, "reduce")
-        array = as_reducible(tensor, "reduce tensor")
-        mine = self.comm.rank == root
-
-        def body():
-            if red.local is None:
-                self.comm.reduce(array, array if mine else None, red.name, root, self.algorithm)
-                return
-            everyone = np.empty((self.comm.size,) + array.shape, dtype=array.dtype) if mine else None
-            self.comm.gather(array, everyone, root, self.algorithm)
-            if mine:
-                array[...] = red.over(everyone)
-
-        return self._issue("reduce", body, tensors, opts)
-
-    def gather(self, output_tensors, input_tensors, opts=None):
-        """On the root, ``output_tensors[0][r]`` <- rank r's ``input_tensors[0]`` (equal sizes)."""
-        opts = opts if opts is not None else dist.GatherOptions()
-        root, (tensor,) = opts.rootRank, input_tensors
-        send = as_numpy(tensor, "gather input")
-        recvs = None
-        if self.comm.rank == root:
-            if len(output_tensors) != 1:
-                raise ValueError("mpcomm backend: gather: the root needs one output list (gather_list)")
-            self._check_size("gather", "gather_list", len(output_tensors[0]), self.comm.size)
-            _same_dtype("gather", [tensor, *output_tensors[0]])
-            recvs = [as_numpy(o, "gather output") for o in output_tensors[0]]
-            if any(r.size != send.size for r in recvs):
-                raise ValueError(f"mpcomm backend: gather: every tensor of gather_list needs {send.size} elements "
-                                 f"(the input's), got {[r.size for r in recvs]}")
-        elif output_tensors and any(len(o) for o in output_tensors):
-            raise ValueError(f"mpcomm backend: gather: gather_list must be empty on non-root rank {self.comm.rank}")
-
-        def body():
-            gathered = np.empty(self.comm.size * send.size, dtype=send.dtype) if recvs is not None else None
-            self.comm.gather(send, gathered, root, self.algorithm)
-            if recvs is not None:
-                _unpack(gathered, recvs)
-
-        return self._issue("gather", body, output_tensors, opts)
-
-    def scatter(self, output_tensors, input_tensors, opts=None):
-        """``output_tensors[0]`` <- the root's ``input_tensors[0][rank]`` (equal sizes)."""
-        opts = opts if opts is not None else dist.ScatterOptions()
-        root, (tensor,) = opts.rootRank, output_tensors
-        recv = as_numpy(tensor, "scatter output")
-        sends = None
-        if self.comm.rank == root:
-            if len(input_tensors) != 1:
-                raise ValueError("mpcomm backend: scatter: the root needs one input list (scatter_list)")
-            self._check_size("scatter", "scatter_list", len(input_tensors[0]), self.comm.size)
-            _same_dtype("scatter", [tensor, *input_tensors[0]])
-            sends = [as_numpy(t, "scatter input") for t in input_tensors[0]]
-            if any(s.size != recv.size for s in sends):
-                raise ValueError(f"mpcomm backend: scatter: every tensor of scatter_list needs {recv.size} elements "
-                                 f"(the output's), got {[s.size for s in sends]}")
-        elif input_tensors and any(len(i) for i in input_tensors):
-            raise ValueError(f"mpcomm backend: scatter: scatter_list must be empty on non-root rank {self.comm.rank}")
-
-        def body():
-            flat = np.concatenate([s.reshape(-1) for s in sends]) if sends is not None else None
-            self.comm.scatter(flat, recv, root, self.algorithm)
-
-        return self._issue("scatter", body, output_tensors, opts)
-
     # ------------------------------------------------------------------ all-to-all
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """``output_tensors[r]`` <- rank r's ``input_tensors[rank]`` (sizes may differ per pair)."""
         opts = opts if opts is not None else dist.AllToAllOptions()
         self._check_size("alltoall", "input_tensor_list", len(input_tensors), self.comm.size)
         self._check_size("alltoall", "output_tensor_list", len(output_tensors), self.comm.size)
-        _same_dtype("alltoall", [*input_tensors, *output_tensors])
+        same_dtype("alltoall", [*input_tensors, *output_tensors])
         sends = [as_numpy(t, "alltoall input") for t in input_tensors]
         recvs = [as_numpy(t, "alltoall output") for t in output_tensors]
 
@@ -493,7 +249,7 @@ class BackendMpcomm(backend_base()):
             recv = np.empty(sum(r.size for r in recvs), dtype=send.dtype)
             self.comm.all_to_all_v(send, [s.size for s in sends], recv, [r.size for r in recvs],
                                    algorithm=self.algorithm)
-            _unpack(recv, recvs)
+            unpack(recv, recvs)
 
         return self._issue("alltoall", body, output_tensors, opts)
 
@@ -501,7 +257,7 @@ class BackendMpcomm(backend_base()):
         """``dist.all_to_all_single``: rows of ``input`` split by ``input_split_sizes`` (equal when empty) go to
         the ranks in order; ``output`` takes rank r's rows in its ``output_split_sizes[r]`` rows."""
         opts = opts if opts is not None else dist.AllToAllOptions()
-        _same_dtype("all_to_all_single", [input, output])
+        same_dtype("all_to_all_single", [input, output])
         send, recv = as_numpy(input, "all_to_all_single input"), as_numpy(output, "all_to_all_single output")
         if not input_split_sizes and not output_split_sizes:
             if send.size % self.comm.size or send.size != recv.size:
@@ -669,9 +425,6 @@ class BackendMpcomm(backend_base()):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-
-
 def _seconds_or(timeout, default: float) -> float:
     """A timedelta (or seconds) argument in seconds; ``default`` for None or a negative one (torch's "unset")."""
     seconds = None if timeout is None else (
@@ -682,28 +435,6 @@ def _seconds_or(timeout, default: float) -> float:
 def _run_all(steps) -> None:
     for step in steps:
         step()
-
-
-def _same_dtype(operation: str, tensors) -> None:
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        raise TypeError(f"mpcomm backend: {operation}: tensors of different dtypes {sorted(map(str, dtypes))}; "
-                        "they must all have the same dtype")
-
-
-def _same_layout(operation: str, tensors) -> None:
-    _same_dtype(operation, tensors)
-    sizes = {t.numel() for t in tensors}
-    if len(sizes) > 1:
-        raise ValueError(f"mpcomm backend: {operation}: tensors of different sizes {sorted(sizes)}; they must match")
-
-
-def _unpack(flat: np.ndarray, arrays: list[np.ndarray]) -> None:
-    """Consecutive pieces of ``flat`` into ``arrays`` (each keeps its shape)."""
-    offset = 0
-    for a in arrays:
-        a[...] = flat[offset: offset + a.size].reshape(a.shape)
-        offset += a.size
 
 
 def _pack_bytes(arrays: list[np.ndarray]) -> np.ndarray:

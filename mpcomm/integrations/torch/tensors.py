@@ -1,5 +1,6 @@
 """CPU torch tensors as numpy arrays for mpcomm, torch's reduce ops as mpcomm's, mpcomm's errors as torch's.
 
+Also the checks and unpacking the group's calls share (:func:`same_dtype`, :func:`same_layout`, :func:`unpack`).
 Tensors reach mpcomm zero-copy through ``Tensor.numpy()`` (bfloat16 through an int16 view as
 ``ml_dtypes.bfloat16``). Data movement (broadcast, gathers, all-to-all, send/recv) takes any dtype: one numpy
 cannot hold (float8, ...) moves as its bytes. Reductions follow gloo: bool SUM/MAX/BOR are "or", PRODUCT/MIN/BAND
@@ -141,3 +142,27 @@ def torch_error(exc: BaseException, operation: str) -> BaseException:
         return exc
     error.__cause__ = exc
     return error
+
+
+def same_dtype(operation: str, tensors) -> None:
+    """TypeError naming ``operation`` unless ``tensors`` all have one dtype."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise TypeError(f"mpcomm backend: {operation}: tensors of different dtypes {sorted(map(str, dtypes))}; "
+                        "they must all have the same dtype")
+
+
+def same_layout(operation: str, tensors) -> None:
+    """:func:`same_dtype`, and ValueError unless ``tensors`` all have one number of elements."""
+    same_dtype(operation, tensors)
+    sizes = {t.numel() for t in tensors}
+    if len(sizes) > 1:
+        raise ValueError(f"mpcomm backend: {operation}: tensors of different sizes {sorted(sizes)}; they must match")
+
+
+def unpack(flat: np.ndarray, arrays: list[np.ndarray]) -> None:
+    """Consecutive pieces of ``flat`` into ``arrays`` (each keeps its shape)."""
+    offset = 0
+    for a in arrays:
+        a[...] = flat[offset: offset + a.size].reshape(a.shape)
+        offset += a.size

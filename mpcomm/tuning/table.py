@@ -1,4 +1,7 @@
-"""The shape of a tuning table (see ``mpcomm.tuning``), checked entry by entry when a table is loaded.
+"""The tuning table: its format, its checks, and saving / loading it as JSON.
+
+The table is plain JSON (its layout is described in :mod:`mpcomm.tuning.measure`). It is checked entry by entry
+when it is loaded.
 
 A table with the right ``format`` but a broken entry would otherwise load without complaint and make every later
 ``algorithm="auto"`` call fail with a bare ``KeyError``/``IndexError`` (or a log2 warning for a size <= 0).
@@ -7,10 +10,55 @@ A table with the right ``format`` but a broken entry would otherwise load withou
 """
 from __future__ import annotations
 
+import json
 import math
+import warnings
 from typing import Any
 
 import numpy as np
+
+TABLE_FORMAT = "mpcomm-tuning/1"
+
+
+def save(comm, table: dict | None, path: str) -> None:
+    """Write ``table`` to ``path`` as JSON on rank 0 of ``comm``; every rank raises OSError if that failed
+    (collective)."""
+    if table is None:
+        raise ValueError("save_tuning: there is no tuning table; run comm.tune() or comm.load_tuning() first")
+    error = None
+    if comm.rank == 0:
+        try:
+            with open(path, "w") as f:
+                json.dump(table, f, indent=1)
+        except OSError as exc:
+            error = f"save_tuning: cannot write {path!r}: {exc}"
+    error = comm.bcast_object(error, root=0, operation="save_tuning")
+    if error:
+        raise OSError(error)
+
+
+def load(comm, path: str, missing_ok: bool = False) -> dict | None:
+    """The table saved at ``path``, read on rank 0 of ``comm`` and shared (collective). A file that does not
+    exist: FileNotFoundError, or with ``missing_ok`` a warning and None; an unreadable one: ValueError."""
+    table, error = None, None
+    if comm.rank == 0:
+        try:
+            with open(path) as f:
+                table = json.load(f)
+        except FileNotFoundError:
+            error = "missing"
+        except (OSError, ValueError) as exc:
+            error = f"load_tuning: cannot read tuning table {path!r}: {exc}"
+    table, error = comm.bcast_object((table, error), root=0, operation="load_tuning")
+    if error == "missing":
+        if not missing_ok:
+            raise FileNotFoundError(f"load_tuning: no tuning table at {path!r}")
+        warnings.warn(f"mpcomm: tuning file {path!r} does not exist; auto uses the cost model", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    if error:
+        raise ValueError(error)
+    return table
 
 
 class _Broken(Exception):

@@ -18,19 +18,17 @@ broadcast, reduce, gather, scatter, all_to_all, all_to_all_v); a size is the byt
 (reduce_scatter, all_gather, gather, scatter) or one rank's send buffer of p blocks (all-to-all; all_to_all_v is
 timed with equal counts). Sizes that round to the same element counts are measured once.
 
-``python -m mpcomm.tuning --out FILE`` (under mpiexec) tunes COMM_WORLD and saves the table;
-``python -m mpcomm.tuning --crossovers`` prints the cost model's choices for 64..4096 ranks.
+The table's format and its checks are :mod:`mpcomm.tuning.table`; the command line is :mod:`mpcomm.tuning.cli`.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms import REGISTRY
-from .algorithms.auto import TABLE_FORMAT, print_crossovers
+from ..algorithms import REGISTRY
+from .table import TABLE_FORMAT
 
 DEFAULT_SIZES = tuple(8 << (3 * k) for k in range(8))  # 8 B, 64 B, ..., 16 MiB
 
@@ -54,7 +52,7 @@ def tune(comm, sizes=DEFAULT_SIZES, repeats: int = 5, operations=("allreduce",),
         seconds = np.array([_median_times(comm, operation, names, n, dtype, repeats) for n in nbytes]).T
         comm.allreduce(seconds, op="max", algorithm="native")
         entry = _decide(names, nbytes, seconds) if comm.rank == 0 else None
-        table["operations"][operation] = {str(dtype): comm._share_from_root(entry, "tune")}
+        table["operations"][operation] = {str(dtype): comm.bcast_object(entry, root=0, operation="tune")}
     if verbose and comm.rank == 0:
         print(describe(table), flush=True)
     return table
@@ -111,7 +109,7 @@ def _check(comm, sizes, repeats, operations, algorithms) -> None:
         raise ValueError(f"tune: unknown algorithm(s) {sorted(set(algorithms) - known)}; known: {sorted(known)}")
 
 
-# The operations whose selector bytes are p blocks: the whole buffer (Communicator._plan plans these on one
+# The operations whose selector bytes are p blocks: the whole buffer (Communicator.plan plans these on one
 # rank's block and asks about size times its bytes) or, for all-to-all, one rank's send buffer of p blocks.
 _BLOCKS = ("reduce_scatter", "all_gather", "gather", "scatter", "all_to_all", "all_to_all_v")
 
@@ -188,39 +186,3 @@ def _median_times(comm, operation, algorithms, nbytes, dtype, repeats, block_sec
                 run()
             samples.append((time.perf_counter() - start) / count)
     return [float(np.median(samples)) for samples in times]
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mpcomm.tuning", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", help="save the measured table to this JSON file (MPCOMM_TUNING_FILE reads it)")
-    parser.add_argument("--operations", default="allreduce",
-                        help=f"comma-separated, from: {', '.join(REGISTRY)} (default allreduce)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--max-bytes", type=int, default=DEFAULT_SIZES[-1])
-    parser.add_argument("--crossovers", action="store_true", help="print the cost model's choices for 64..4096 ranks")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="for --crossovers")
-    args = parser.parse_args(argv)
-    operations = tuple(name.strip() for name in args.operations.split(",") if name.strip())
-    unknown = [name for name in operations if name not in REGISTRY]
-    if unknown or not operations:
-        parser.error(f"--operations: {'unknown ' + ', '.join(map(repr, unknown)) if unknown else 'none given'}; "
-                     f"choose from {', '.join(REGISTRY)}")
-    if args.crossovers:
-        print_crossovers(ranks_per_node=args.ranks_per_node)
-        return
-    sizes = [s for s in DEFAULT_SIZES if s <= args.max_bytes]
-    if not sizes:
-        parser.error(f"--max-bytes {args.max_bytes} is below the smallest size measured ({DEFAULT_SIZES[0]})")
-    from .comm import Communicator
-
-    comm = Communicator()
-    try:
-        comm.tune(sizes=sizes, repeats=args.repeats, operations=operations)
-        if args.out:
-            comm.save_tuning(args.out)
-    finally:
-        comm.free()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,356 @@
+"""The dispatch seam: where every collective of a Communicator is planned, started, checked, run and counted.
+
+:class:`Dispatcher` is the part of :class:`~mpcomm.comm.Communicator` that turns a call into work on a transport.
+Every collective — blocking, non-blocking, the meetings before a split or a protocol channel, and the calls the
+torch backend plans itself — goes through :meth:`Dispatcher.run`: that is the one place a call starts and ends.
+
+* :meth:`~Dispatcher.plan` decides, once per (operation, dtype, shape, op, algorithm, root), what a call is
+  (a cached :class:`~mpcomm.plan.Plan`: the algorithm, the reduction, the route for host or device buffers);
+* :meth:`~Dispatcher.run` runs a plan under the deadline: it refuses on an unusable communicator or a second
+  thread, makes the ranks agree on the call (``validate=True``), times it into ``stats()``, and makes the
+  communicator unusable when a call stopped midway;
+* :meth:`~Dispatcher.allgather_object` / :meth:`~Dispatcher.bcast_object` share Python objects (e.g. a tuning
+  table, a model description) with the deadline;
+* :meth:`~Dispatcher.protocol_transport` gives a protocol built on the Communicator (the pipeline's hand-offs)
+  its own MPI communicator.
+
+Public here means: what integrations (the torch backend, the engines, tuning, benchmarks) may use. The
+collectives' argument checks and buffer handling stay in ``mpcomm.comm``. See ``docs/dispatch.md``.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import p2p, staging
+from .algorithms import KEEP_LOW_PRECISION, REGISTRY
+from .algorithms.chunks import count_matrix
+from .buffers import AVG, check_dtype_op, reduce_op, wire_dtype
+from .errors import CollectiveMismatchError, MpcommError
+from .plan import Plan
+from .transport import Transport, created
+from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
+
+_clock = time.perf_counter  # (a module-level name: one lookup less on every call)
+_PROTOCOL = Plan.meeting("protocol channel")
+_SIZE_FOR_AUTO = Plan.sum_of_int64("all_to_all_v: the ranks agree on the bytes auto decides from")
+PLAN_CACHE_SIZE = 1024  # plans kept (one per dtype, shape, op, algorithm and root)
+
+REDUCING = ("allreduce", "reduce_scatter", "reduce")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
+PER_RANK_BLOCK = ("reduce_scatter", "all_gather", "gather", "scatter")  # planned on the buffer of one rank's block
+FREED = "it was freed (free() was called)"
+_STALE = ("; its messages may still be in flight, so later collectives could match them and return wrong data. "
+          "Create a new Communicator.")
+
+
+class Dispatcher:
+    """Plans, runs and counts the collectives of a Communicator (its base class; see the module docstring).
+
+    The Communicator sets ``rank``, ``size``, ``timeout``, ``validate``, ``selector`` and its transports
+    (``_sync`` for blocking collectives, ``_async`` for the progress thread, ``_p2p``, ``_base``) and then
+    calls :meth:`_start_dispatch`.
+    """
+
+    rank: int
+    size: int
+    timeout: float
+    validate: bool
+    _sync: Transport
+    _async: Transport
+    _base: MPI.Comm
+    _progress: str
+
+    def _start_dispatch(self) -> None:
+        self._protocols: dict[str, Transport] = {}  # see protocol_transport
+        self._executor: ThreadPoolExecutor | None = None
+        self._inline: InlineProgress | None = None
+        self._unusable: str | None = None  # why calls are refused: freed, or a collective stopped midway
+        self._plans: dict = {}
+        self._plans_generation = 0  # counts the times auto's choices changed (a table loaded): plans made again
+
+    # ------------------------------------------------------------------ public low-level API
+    @property
+    def transport(self) -> Transport:
+        """The transport blocking collectives run on (mpcomm's private duplicate of the user's communicator):
+        what :meth:`run` uses unless told otherwise, and what code that talks MPI beside the Communicator's own
+        calls (the torch backend's C++ all-reduce, the network probe) is given."""
+        return self._sync
+
+    def plan(self, operation: str, array: Any, op: str | None = None, algorithm: str = "auto",
+             root: int | None = None) -> Plan:
+        """The :class:`~mpcomm.plan.Plan` of ``operation`` on ``array`` (a numpy or CuPy array: its dtype, shape
+        and device decide), with reduction ``op`` (reducing operations), ``algorithm`` (``"auto"`` asks the
+        selector) and ``root`` (rooted operations).
+
+        Local: the checks that need no other rank (dtype and op, algorithm name, root) raise ``TypeError`` /
+        ``ValueError`` here. Plans of host arrays are cached (up to ``PLAN_CACHE_SIZE``) until auto's choices
+        change (a tuning table loaded). For rooted and per-rank-block operations plan on one rank's block, as
+        the collectives do."""
+        if operation in ROOTED:  # before the cache: True == 1 and 0.0 == 0 as dict keys
+            self._check_root(root, operation)
+        cacheable = type(array) is np.ndarray and type(op) in (str, type(None)) and type(algorithm) is str
+        key = (operation, array.dtype, array.shape, op, algorithm, root) if cacheable else None
+        plan = self._plans.get(key) if cacheable else None
+        if plan is not None:
+            return plan
+        rop = None
+        if operation in REDUCING:
+            rop = reduce_op(op, operation)
+            check_dtype_op(array.dtype, rop.name, operation)
+            if rop.name == AVG:
+                rop = rop.averaged(self.size)  # each algorithm divides where it finishes a sum, before sharing it
+        else:
+            check_dtype_op(array.dtype, None, operation)
+        nbytes = array.nbytes * (self.size if operation in PER_RANK_BLOCK else 1)  # stats: the whole buffer
+        chosen = self._resolve(operation, algorithm, nbytes, array.dtype, None if rop is None else rop.name)
+        host = type(array) is np.ndarray
+        plan = Plan(operation, chosen, array, rop, root, nbytes, host=host,
+                    wire=wire_dtype(array.dtype, widen=not (host and chosen in KEEP_LOW_PRECISION))
+                    if rop is not None else array.dtype)
+        if cacheable:
+            if len(self._plans) >= PLAN_CACHE_SIZE:  # shapes that vary (MoE, dynamic batches): the oldest goes
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+        return plan
+
+    def run(self, plan: Plan, *buffers: Any, transport: Transport | None = None, counts: tuple | None = None,
+            record: bool = True) -> None:
+        """Run ``plan`` on ``buffers`` (the arguments of its algorithm: ``plan.fn(transport, *buffers)``), on
+        ``transport`` (default :attr:`transport`). Collective: every rank runs the same plan in the same order.
+
+        Refuses (``MpcommError``) on an unusable communicator or while another thread runs a collective here;
+        with ``validate=True`` the ranks first agree on the call (``counts``: all_to_all_v's send and receive
+        counts, checked for consistency); the algorithm's time goes into ``stats()`` unless ``record`` is false;
+        a failure midway makes the communicator unusable. This is the one place every collective starts and
+        ends."""
+        t = self._sync if transport is None else transport
+        if self._unusable is not None or not t.in_use.acquire(False):
+            self._refuse(plan)
+        try:
+            if self._inline is not None and t is self._sync:
+                self._inline.run_until(None)
+            t.operation = plan.label
+            if self.validate:
+                self._agree(t, plan, counts)
+            start = _clock()
+            plan.fn(t, *buffers)
+            elapsed = _clock() - start
+            if self._unusable is not None:  # made unusable while this ran (another thread joined in)
+                raise MpcommError(f"rank {self.rank}: {plan.label}: {self._unusable}; this result may be wrong")
+        except CollectiveMismatchError:  # the ranks compared their calls and stopped cleanly: nothing in flight
+            raise
+        except MpcommError as exc:
+            self._stopped_midway(plan, exc)
+            raise
+        except MPI.Exception as exc:  # the MPI library itself refused (e.g. aliased buffers): mpcomm's error
+            error = t._mpi_error(exc, [], t.others)
+            self._stopped_midway(plan, error)
+            raise error from None
+        finally:
+            t.in_use.release()
+        if not record:
+            return
+        totals = t.records.get(plan.key)  # per (operation, algorithm): bounded whatever the shapes
+        if totals is None:
+            totals = t.records[plan.key] = [0, 0, 0.0]
+        totals[0] += 1
+        totals[1] += plan.nbytes
+        totals[2] += elapsed
+
+    def allgather_object(self, obj: Any, operation: str = "allgather_object") -> list:
+        """Every rank's ``obj`` (pickled), in rank order. Collective; waits are bounded by the timeout and a
+        timeout names ``operation``."""
+        self._refuse_if_freed(operation)
+        with self._sync.running(operation):
+            return self._sync.allgather_object(obj)
+
+    def bcast_object(self, obj: Any, root: int = 0, operation: str = "bcast_object") -> Any:
+        """``root``'s ``obj`` (pickled) on every rank. Collective; waits are bounded by the timeout and a timeout
+        names ``operation``."""
+        self._refuse_if_freed(operation)
+        self._check_rank(root, "root", operation)
+        with self._sync.running(operation):
+            return self._sync.bcast_object(obj, root=root)
+
+    def protocol_transport(self, name: str) -> Transport:
+        """A private MPI communicator for messages whose sizes both sides agreed beforehand (so no envelope), of
+        a protocol built on this Communicator (e.g. the pipeline executor's hand-offs): made on the first call
+        for ``name`` — collective then, after a meeting with the deadline — reused after, freed with it."""
+        t = self._protocols.get(name)
+        if t is None:
+            self.run(_PROTOCOL)
+            t = Transport(created(self._base.Dup, name, self.rank), self.timeout, on_timeout=p2p.ON_TIMEOUT)
+            t.operation = name
+            t.progress_hook = self._p2p.progress
+            self._protocols[name] = t
+        return t
+
+    def stats(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Measured totals: ``{operation: {algorithm: {"calls", "bytes", "seconds"}}}``."""
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for t in (self._sync, self._async):
+            for (operation, algorithm), (calls, nbytes, seconds) in list(t.records.items()):
+                record = out.setdefault(operation, {}).setdefault(algorithm, {"calls": 0, "bytes": 0, "seconds": 0.0})
+                record["calls"] += calls
+                record["bytes"] += nbytes
+                record["seconds"] += seconds
+        return out
+
+    def footprint(self) -> dict[str, int]:
+        """What this Communicator keeps for reuse, each bounded whatever the calls: ``records`` (stats entries),
+        ``plans`` (cached plans), ``choices`` (auto's remembered decisions), ``scratch_bytes`` (scratch buffers
+        of its transports)."""
+        transports = (self._sync, self._async, self._p2p.envelopes, self._p2p.payloads)
+        return {"records": len(self._sync.records) + len(self._async.records), "plans": len(self._plans),
+                "choices": self.selector.decisions_kept, "scratch_bytes": sum(t.scratch_bytes() for t in transports)}
+
+    def reset_stats(self) -> None:
+        for t in (self._sync, self._async):
+            t.records.clear()
+
+    # ------------------------------------------------------------------ non-blocking calls
+    def _submit(self, operation: str, body, *args) -> Work:
+        """Queue ``body(t, *args)`` (checked as the blocking form is: :meth:`_checked`): on the progress thread
+        (one worker, so operations run in issue order), or, when MPI cannot be called from two threads, to run
+        inside ``wait()`` (progress on wait). The body runs on the caller's current CUDA stream (device buffers:
+        see ``mpcomm.staging``)."""
+        self._refuse_if_freed(operation)
+
+        def run(t):
+            return self._checked(body, operation, *args, t=t)
+
+        run = staging.on_stream(staging.caller_stream(), run)
+        if self._executor is None and self._inline is None:
+            if self._progress == "thread" and progress_thread_allowed():
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mpcomm-progress-{self.rank}")
+            else:
+                self._inline = InlineProgress()
+        if self._inline is not None:
+            return self._inline.submit(run, self._async, operation)
+        return FutureWork(self._executor.submit(run, self._async), operation, self._others(), self.rank,
+                          self._async.waiters)
+
+    def _drain_deferred(self) -> None:
+        """Progress on wait: run the queued non-blocking collectives before a blocking one, so every rank
+        runs all its collectives in issue order whatever it waits on first."""
+        if self._inline is not None:
+            self._inline.run_until(None)
+
+    # ------------------------------------------------------------------ argument errors and refusals
+    def _checked(self, body, operation: str, *args, t: Transport | None = None):
+        """``body(t, *args)``; an argument error it raises first goes through :meth:`_rejected`."""
+        t = self._sync if t is None else t
+        try:
+            return body(t, *args)
+        except (TypeError, ValueError) as exc:
+            self._rejected(t, operation, exc)
+
+    def _rejected(self, t: Transport, operation: str, exc: Exception):
+        """Re-raise the argument error ``exc`` of this rank; with validate=True first show the others, who are
+        comparing calls, what was rejected (they raise CollectiveMismatchError naming it at once, rather than
+        wait for this rank until the timeout). Ranks that all rejected the same arguments agree, and each
+        raises its own error."""
+        if self.validate and self._unusable is None and not isinstance(exc, MpcommError):
+            try:
+                self._agree(t, Plan.rejected(operation, exc), None)
+            except MpcommError:
+                pass  # the others were told; this rank's own error is the one to raise
+        raise exc
+
+    def _refuse(self, plan: Plan) -> None:
+        """Raise: the communicator is unusable, or another thread is running a collective on it."""
+        if self._unusable is not None:
+            raise MpcommError(f"rank {self.rank}: {plan.label}: this communicator is unusable: {self._unusable}"
+                              + ("" if self._unusable == FREED else _STALE))
+        self._concurrent_use(plan)
+
+    def _refuse_if_freed(self, operation: str) -> None:
+        if self._unusable == FREED:
+            raise MpcommError(f"rank {self.rank}: {operation}: this Communicator was freed (free() was called)")
+
+    def _stopped_midway(self, plan: Plan, exc: Exception) -> None:
+        if self._unusable is None:
+            self._unusable = f"{plan.label} stopped midway ({type(exc).__name__}: {exc})"
+
+    def _concurrent_use(self, plan: Plan) -> None:
+        """A second thread called a collective while one runs: the order of calls can differ between ranks,
+        so messages could pair with the wrong call. Refuse, and poison the communicator so that the call
+        already running reports it too."""
+        message = (f"{plan.label} was called from thread {threading.current_thread().name!r} while another "
+                   "collective of this communicator was running in another thread; collectives of one "
+                   "Communicator must be called from one thread at a time, in the same order on every rank")
+        if self._unusable is None:
+            self._unusable = message
+        raise MpcommError(f"rank {self.rank}: {message}")
+
+    # ------------------------------------------------------------------ agreement between the ranks
+    def _agree(self, t: Transport, plan: Plan, counts: tuple | None) -> None:
+        """validate=True: the ranks compare their calls' digests (the whole signature, any length); on a
+        difference every rank raises, listing what each passed. ``counts`` (all_to_all_v: send and receive
+        counts) are checked for consistency (what rank i sends rank j is what j expects from i)."""
+        everyone = np.empty((self.size, plan.digest.size), dtype=np.uint8)
+        t.wait([t.mpi.Iallgather(plan.digest, everyone)], t.others)
+        if not (everyone == plan.digest).all():
+            calls = t.allgather_object(plan.signature)
+            described = "; ".join(f"rank {r}: {json.dumps(call, sort_keys=True)}" for r, call in enumerate(calls))
+            raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: ranks disagree — "
+                                          f"{described}")
+        if counts is not None:
+            _, problem = count_matrix(t, *counts)
+            if problem:
+                raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: {problem}")
+
+    def _agreed_choice(self, t: Transport, operation: str, nbytes: int, dtype) -> str:
+        """auto's algorithm for a call whose bytes differ between ranks by nature (all_to_all_v): the one for the
+        ranks' mean bytes, agreed with one 8-byte all-reduce, so every rank runs the same algorithm."""
+        total = np.zeros(1, dtype=np.int64)
+        self.run(_SIZE_FOR_AUTO, np.array([nbytes], dtype=np.int64), total, transport=t, record=False)
+        return self.selector.choose(operation, int(total[0]) // self.size, np.dtype(dtype))
+
+    # ------------------------------------------------------------------ plans
+    def _resolve(self, operation: str, algorithm: str, nbytes: int, dtype, op: str | None = None) -> str:
+        if algorithm == "auto":
+            return self.selector.choose(operation, nbytes, np.dtype(dtype), op)
+        if not isinstance(algorithm, str) or algorithm not in REGISTRY[operation]:
+            raise ValueError(
+                f"{operation}: unknown algorithm {algorithm!r}; choose one of {sorted(REGISTRY[operation]) + ['auto']}"
+            )
+        return algorithm
+
+    def _use_table(self, table: dict, source: str) -> bool:
+        """Make auto choose from ``table``; the plans remember auto's choices, so they are made again."""
+        loaded = self.selector.load(table, source=source)
+        self._plans.clear()
+        self._plans_generation += 1
+        return loaded
+
+    def _others(self) -> list[int]:
+        return [r for r in range(self.size) if r != self.rank]
+
+    def _check_rank(self, rank: int, role: str, operation: str) -> None:
+        if type(rank) is int and 0 <= rank < self.size:
+            return
+        if type(rank) is not int and not isinstance(rank, np.integer) or not 0 <= rank < self.size:
+            raise ValueError(f"{operation}: {role} {rank!r} is not a rank of a communicator of size {self.size} "
+                             f"(an int in 0..{self.size - 1})")
+
+    def _check_root(self, root, operation: str) -> None:
+        """ValueError for a root that is no rank. Without validate=True the other ranks may be running the
+        collective with their own root, and their messages to this rank would be taken for a later call's: so the
+        communicator becomes unusable here (the others' next collective with this rank times out naming it)."""
+        try:
+            self._check_rank(root, "root", operation)
+        except ValueError as exc:
+            if self.validate or self._unusable is not None:
+                raise  # validate=True: _rejected tells every rank at once, and nothing is left in flight
+            self._unusable = (f"{operation} was called with root {root!r} on this rank, and other ranks may have run it "
+                              "with another root, leaving messages for this rank that a later call would take")
+            raise ValueError(f"{exc}; this Communicator is now unusable on rank {self.rank} (with validate=True every "
+                             "rank raises at once instead)") from None
