@@ -98,7 +98,7 @@ class Communicator(Dispatcher):
         self._async = Transport(private(), self.timeout, self.ranks_per_node)
         self._sync.progress_hook = self._async.progress_hook = self._p2p.progress  # (see mpcomm.p2p.Channels)
         if self.ranks_per_core > 1:  # (collectives only: a receive yielding sooner lost its core to ranks that
-            for t in (self._sync, self._async):  # spin elsewhere: p = 4 ping-pong 12.6 -> 50 us on 2 cores)
+            for t in (self._sync, self._async):  # spin elsewhere; bench/results/observations.md)
                 t.share_cores()
         self._start_dispatch()
         self.selector = Selector.default(self, probe=settings.network_probe)

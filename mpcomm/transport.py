@@ -23,18 +23,17 @@ from .errors import CommTimeoutError, MpcommError
 _SPINS_BEFORE_YIELD = 32
 # Bare Tests of a single request before the bounded poll (wait_one): a small collective often completes within
 # them, and they cost only MPI's own Test (no deadline, no progress hook). Few: they do not yield the core, and
-# with more ranks than cores (64 of them measured 73 vs 62 us per 8 B all-reduce at p = 4 on 2 cores) that costs.
+# with more ranks than cores that costs (bench/results/observations.md, "Waiting with more ranks than cores").
 _QUICK_TESTS = 8
 # With more ranks than cores (Transport.share_cores) a waiting rank yields sooner: the peer it waits for may need
-# its core (8 B all-reduce at p = 4 on 2 cores: 35-38 us instead of 44-46; 4 KiB: 74 instead of 86-91).
+# its core (bench/results/observations.md, "Waiting with more ranks than cores").
 _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS = 8, 2
 # A wait in a thread other than the main one (a progress thread, a backend's worker) sleeps between polls once
 # it has lasted _SPIN_SECONDS, for _SLEEP_SHARE of the time waited so far (at most _MAX_SLEEP): the main thread
 # computes meanwhile, and a spinning background thread would take its core (and the GIL) for as long as the
 # wire is busy. Waking late by a few percent of a wait that long is what it costs.
 # Not while another thread waits for its result (Transport.waiters): then nobody computes, and where MPI moves a
-# message only during its calls (MPICH without CMA) each sleep held the copy up: a 4 MiB iallreduce + wait at
-# p = 2 took 1.48-1.54x the blocking all-reduce, 1.07-1.13x without (bench/results/progress_wait.md).
+# message only during its calls (MPICH without CMA) each sleep held the copy up (bench/results/progress_wait.md).
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
 _BYTES = MPI.BYTE
 COMMUNICATORS_HELD = 4  # MPI communicators each Communicator makes (see Communicator.__init__)
@@ -275,8 +274,8 @@ class Transport:
     # ------------------------------------------------------------------ internals
     def _wire(self, buf) -> list:
         """The message of ``buf``'s bytes, the form every message takes on the wire (any dtype; mpi4py reads
-        bfloat16 through DLPack). A list, not a ``uint8`` view: the view cost 0.9 us of a 3 us 8-byte send and
-        receive warm, and 10 us of a 17 us ``Isend`` right after a stage's matmuls."""
+        bfloat16 through DLPack). A list, not a ``uint8`` view: making the view was a large share of a small message's
+        cost (bench/results/observations.md, "Messages as a list, not a view")."""
         return [buf, _BYTES]
 
     def _poll(self, test, requests, peers, timeout: float, operation=None) -> None:
