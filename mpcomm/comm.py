@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
+from numpy.typing import DTypeLike
 
 from . import p2p, staging
 from .algorithms.auto import Selector
@@ -133,8 +134,8 @@ class Communicator(Dispatcher):
         self.run(_BARRIER)
 
     # ------------------------------------------------------------------ calibration of algorithm="auto"
-    def tune(self, sizes=None, repeats: int = 5, operations=("allreduce",), dtype="float32",
-             algorithms=None, verbose: bool = True) -> dict:
+    def tune(self, sizes: Sequence[int] | None = None, repeats: int = 5, operations: Sequence[str] = ("allreduce",),
+             dtype: DTypeLike = "float32", algorithms: Sequence[str] | None = None, verbose: bool = True) -> dict:
         """Time every algorithm at ``sizes`` (bytes) on this communicator and make ``auto`` use the fastest.
 
         Collective. Rank 0 decides and broadcasts, so all ranks hold the same table; it is also returned

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -24,7 +25,7 @@ class Plan:
     __slots__ = ("operation", "algorithm", "fn", "rop", "nbytes", "wire", "direct", "key", "label", "signature",
                  "_digest")
 
-    def __init__(self, operation: str, algorithm: str, array, rop: ReduceOp | None, root: int | None, nbytes: int,
+    def __init__(self, operation: str, algorithm: str, array: Any, rop: ReduceOp | None, root: int | None, nbytes: int,
                  host: bool, wire: np.dtype):
         self.operation, self.algorithm, self.rop, self.nbytes, self.wire = operation, algorithm, rop, nbytes, wire
         self.direct = host and wire == array.dtype  # the buffer itself is the work array (no conversion)
@@ -72,7 +73,7 @@ class Plan:
         plan.signature, plan.label, plan._digest = signature, operation, None
         return plan
 
-    def running(self, fn) -> "Plan":
+    def running(self, fn: Callable[..., Any]) -> "Plan":
         """This plan with ``fn(transport, *buffers)`` in place of its algorithm (e.g. the torch backend's C++ form
         of the same ``native`` all-reduce): same operation, stats key, label and signature."""
         plan = copy.copy(self)
