@@ -23,7 +23,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mpi4py import MPI
@@ -36,6 +36,9 @@ from .errors import CollectiveMismatchError, MpcommError
 from .plan import Plan
 from .transport import Transport, created
 from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
+
+if TYPE_CHECKING:
+    from .algorithms.auto import Selector
 
 _clock = time.perf_counter  # (a module-level name: one lookup less on every call)
 _PROTOCOL = Plan.meeting("protocol channel")
@@ -66,6 +69,8 @@ class Dispatcher:
     _async: Transport
     _base: MPI.Comm
     _progress: str
+    _p2p: p2p.Channels
+    selector: Selector
 
     def _start_dispatch(self) -> None:
         self._protocols: dict[str, Transport] = {}  # see protocol_transport
@@ -234,6 +239,7 @@ class Dispatcher:
                 self._inline = InlineProgress()
         if self._inline is not None:
             return self._inline.submit(run, self._async, operation)
+        assert self._executor is not None  # made above
         return FutureWork(self._executor.submit(run, self._async), operation, self._others(), self.rank,
                           self._async.waiters)
 

@@ -27,7 +27,8 @@ class Plan:
 
     def __init__(self, operation: str, algorithm: str, array: Any, rop: ReduceOp | None, root: int | None, nbytes: int,
                  host: bool, wire: np.dtype):
-        self.operation, self.algorithm, self.rop, self.nbytes, self.wire = operation, algorithm, rop, nbytes, wire
+        self.operation, self.algorithm, self.rop, self.nbytes = operation, algorithm, rop, nbytes
+        self.wire: np.dtype | None = wire  # None: a bare plan (no buffer)
         self.direct = host and wire == array.dtype  # the buffer itself is the work array (no conversion)
         if array.size == 0 and operation != "all_to_all_v":  # nothing to move (all_to_all_v: others may send)
             self.fn = _nothing
@@ -38,10 +39,10 @@ class Plan:
             self.fn = lambda t, *args: staging.run(t, operation, algorithm, fn, *args)
         self.key = (operation, algorithm)
         shape = None if operation == "all_to_all_v" else list(array.shape)  # v: sizes differ, counts are checked
-        self.signature = {"operation": operation, "dtype": dtype_name(array.dtype), "shape": shape,
+        self.signature: dict[str, Any] = {"operation": operation, "dtype": dtype_name(array.dtype), "shape": shape,
                           "op": None if rop is None else rop.name, "algorithm": algorithm, "root": root}
-        self.label = _Label(self)
-        self._digest = None
+        self.label: _Label | str = _Label(self)
+        self._digest: np.ndarray | None = None
 
     @classmethod
     def barrier(cls) -> "Plan":

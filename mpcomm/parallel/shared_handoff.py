@@ -159,11 +159,8 @@ class SharedHandoffs:
         self._segments: list[np.ndarray] = []  # every array on the window's memory is a view of one of these
         if self.window is not None:
             self.window.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for the whole run, for Sync
-            queried = {holder: self.window.Shared_query(node_ranks[holder])[0]
-                       for holder in {rank, *(peer for _, peer in outgoing)}}
-            # mpi4py types its buffer as a Buffer only for Python >= 3.12
-            segments = {holder: np.frombuffer(memory, dtype=np.uint8)  # type: ignore[call-overload]
-                        for holder, memory in queried.items()}
+            segments = {holder: np.frombuffer(self.window.Shared_query(node_ranks[holder])[0], dtype=np.uint8)
+                        for holder in {rank, *(peer for _, peer in outgoing)}}
             for key, _ in incoming:
                 self.incoming[mine[key][0]] = _views(segments[rank], layout[key], *mine[key][1:])
             for key, peer in outgoing:

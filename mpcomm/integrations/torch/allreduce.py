@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -22,10 +22,16 @@ from ...buffers import AVG, OPS
 from .pages import MIN_BYTES as HUGE_PAGES_FROM
 from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, same_layout, unpack
 
+if TYPE_CHECKING:
+    from ...comm import Communicator
+
 class AllreducePaths:
     """The all-reduce methods of the Backend (a base class of it). They use the group's ``comm``, ``algorithm``,
     lane (``_lane``, ``_issue``, ``_run_here``), ``_sequence``, ``_pages`` and the C++ extension's
     ``_native_plan`` / ``_native_run``, which ``BackendMpcomm.__init__`` sets up with :meth:`_native_allreduce`."""
+
+    comm: Communicator
+    algorithm: str
 
     def allreduce(self, tensors, opts=None):
         """Each tensor <- the reduction over ranks (a list of several is reduced together first, as gloo does).

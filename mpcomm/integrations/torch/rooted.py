@@ -6,16 +6,24 @@ The root's list of a tensor per rank (``gather_list``, ``scatter_list``) is chec
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch.distributed as dist
 
 from .tensors import as_numpy, as_reducible, reduction, same_dtype, same_layout, unpack
 
+if TYPE_CHECKING:
+    from ...comm import Communicator
+
 
 class RootedCalls:
     """The rooted methods of the Backend (a base class of it); they use the group's ``comm``, ``algorithm``,
     ``_issue`` and ``_check_size``."""
+
+    comm: Communicator
+    algorithm: str
+    _check_size: Callable[[str, str, int, int], None]
 
     def broadcast(self, tensors, opts=None):
         """Every tensor <- the root's ``tensors[opts.rootTensor]``."""
@@ -63,7 +71,7 @@ class RootedCalls:
     def _gather(self, send: np.ndarray, recvs: list[np.ndarray] | None, root: int) -> None:
         gathered = np.empty(self.comm.size * send.size, dtype=send.dtype) if recvs is not None else None
         self.comm.gather(send, gathered, root, self.algorithm)
-        if recvs is not None:
+        if recvs is not None and gathered is not None:
             unpack(gathered, recvs)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
