@@ -219,18 +219,12 @@ class Transport:
     @property
     def node(self) -> "Transport":
         """Transport among the ranks of this node (collective on first use)."""
-        if self._node is None:
-            self._split_topology()
-        assert self._node is not None  # made by the split
-        return self._node
+        return self._node if self._node is not None else self._split_topology()[0]
 
     @property
     def cross(self) -> "Transport":
         """Transport among the ranks with this rank's node-local index, one per node (collective on first use)."""
-        if self._cross is None:
-            self._split_topology()
-        assert self._cross is not None  # made by the split
-        return self._cross
+        return self._cross if self._cross is not None else self._split_topology()[1]
 
     @property
     def nodes_are_uniform(self) -> bool:
@@ -242,7 +236,7 @@ class Transport:
             self._uniform = bool(extremes[0] == -extremes[1])
         return self._uniform
 
-    def _split_topology(self) -> None:
+    def _split_topology(self) -> tuple["Transport", "Transport"]:
         # Comm_split has no non-blocking form: meet first with a deadline, so a missing rank is a CommTimeoutError
         # here rather than a hang inside the split.
         self.wait([self.mpi.Ibarrier()], self.others)
@@ -254,6 +248,7 @@ class Transport:
             sub.progress_hook = self.progress_hook
             sub.spins_before_yield, sub.quick_tests = self.spins_before_yield, self.quick_tests
             sub.waiters = self.waiters
+        return self._node, self._cross
 
     def scratch_bytes(self) -> int:
         """The bytes of the scratch buffers kept for reuse, those of the node and cross parts included."""
