@@ -114,8 +114,7 @@ class PipelineParallel:
     """
 
     def __init__(self, module: Sequential, mesh: ParallelMesh | Communicator, num_micro_batches: int,
-                 schedule: str = "1f1b",
-                 virtual_stages: int = 1, balance: Any = "layers", recompute: bool = False,
+                 schedule: str = "1f1b", virtual_stages: int = 1, balance: Any = "layers", recompute: bool = False,
                  loss_fn: Callable = mse_loss, max_posted_recvs: int | None = 4, tag_base: int = 0,
                  spin_after_send: float | str = "auto", shared_memory: bool = True):
         self.comm = _pp_comm(mesh)

@@ -123,9 +123,8 @@ class ColumnParallelLinear(_TPModule):
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
-                 gather_output: bool = False,
-                 seed: int = 0, dtype: Any = np.float64, timer: CommTimer | None = None,
-                 async_grad_allreduce: bool = True, _full: Linear | None = None):
+                 gather_output: bool = False, seed: int = 0, dtype: Any = np.float64,
+                 timer: CommTimer | None = None, async_grad_allreduce: bool = True, _full: Linear | None = None):
         super().__init__()
         self._setup(comm, timer)
         self.in_features, self.out_features = in_features, out_features
@@ -139,8 +138,7 @@ class ColumnParallelLinear(_TPModule):
 
     @classmethod
     def from_linear(cls, linear: Linear, comm: Communicator, gather_output: bool = False,
-                    timer: CommTimer | None = None,
-                    async_grad_allreduce: bool = True) -> "ColumnParallelLinear":
+                    timer: CommTimer | None = None, async_grad_allreduce: bool = True) -> "ColumnParallelLinear":
         """Slice a full :class:`~mpcomm.nn.Linear` (same init as the single-process model)."""
         return cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
                    gather_output=gather_output, timer=timer, async_grad_allreduce=async_grad_allreduce, _full=linear)
@@ -196,9 +194,8 @@ class RowParallelLinear(_TPModule):
     """
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
-                 input_is_parallel: bool = True,
-                 seed: int = 0, dtype: Any = np.float64, timer: CommTimer | None = None,
-                 _full: Linear | None = None):
+                 input_is_parallel: bool = True, seed: int = 0, dtype: Any = np.float64,
+                 timer: CommTimer | None = None, _full: Linear | None = None):
         super().__init__()
         self._setup(comm, timer)
         self.in_features, self.out_features = in_features, out_features
@@ -307,8 +304,7 @@ class VocabParallelEmbedding(_TPModule):
     """Embedding table split by vocabulary rows; ids outside this rank's range contribute zeros; all-reduce."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, comm: Communicator, seed: int = 0,
-                 dtype: Any = np.float64,
-                 timer: CommTimer | None = None, _full: Embedding | None = None):
+                 dtype: Any = np.float64, timer: CommTimer | None = None, _full: Embedding | None = None):
         super().__init__()
         self._setup(comm, timer)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
