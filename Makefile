@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.mpcomm-installed
 MPI_TIMEOUT ?= 900
 RANKS ?= 4
 
-.PHONY: install run test test-serial test-mpi test-torch test-torch-version test-cluster test-openmpi bench soak clean
+.PHONY: install run typecheck test test-serial test-mpi test-torch test-torch-version test-cluster test-openmpi bench soak clean
 
 EXTRAS  ?= test,plot
 
@@ -26,6 +26,10 @@ run: $(STAMP)
 	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(RANKS) $(PY) -m mpcomm.train --engine 3d --dp 2 --tp 1 --pp 2 --steps 5
 
 test: test-serial test-mpi
+
+# mypy over the whole package ([tool.mypy] in pyproject.toml); its cache in .mypy_cache keeps a rerun quick
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 test-serial: $(STAMP)
 	$(PY) -m mpcomm.info

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Any
 
 from mpi4py import MPI
 
@@ -59,7 +60,7 @@ def library() -> Library:
 
 # Each way of waiting, as the profile fields that make native take it at every size (benchmarks and tests force
 # each on whichever library they run on).
-WAYS = {
+WAYS: dict[str, dict[str, Any]] = {
     "nonblocking": {"persistent_upto": 0, "blocking_above": None},
     "persistent": {"persistent_upto": 1 << 62, "blocking_above": None},
     "meet+blocking": {"persistent_upto": 0, "blocking_above": -1},

@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -22,6 +23,7 @@ MIN_TIMEOUT = 1e-3
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 PROGRESS_MODES = ("thread", "wait")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -111,13 +113,10 @@ def _env(name: str) -> str | None:
 
 
 def _env_timeout() -> float:
-    value = _env("MPCOMM_TIMEOUT")
-    if not value:
+    parsed = _env_parsed("MPCOMM_TIMEOUT", float, "a finite number of seconds > 0")
+    if parsed is None:
         return DEFAULT_TIMEOUT
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"MPCOMM_TIMEOUT={value!r}: expected a finite number of seconds > 0") from None
+    value, number = parsed
     try:
         return _timeout(number, "MPCOMM_TIMEOUT")
     except ConfigError as exc:
@@ -134,16 +133,25 @@ def _env_flag(name: str) -> bool:
 
 
 def _env_positive_int(name: str, what: str) -> int | None:
+    parsed = _env_parsed(name, int, f"an int >= 1 ({what})")
+    if parsed is None:
+        return None
+    value, number = parsed
+    if number < 1:
+        raise ConfigError(f"{name}={value!r}: {what} must be >= 1, got {number}")
+    return number
+
+
+def _env_parsed(name: str, parse: Callable[[str], T], expected: str) -> tuple[str, T] | None:
+    """``(text, parse(text))`` of variable ``name``; None where it is unset or empty; ConfigError naming the
+    variable where it does not parse."""
     value = _env(name)
     if not value:
         return None
     try:
-        number = int(value)
+        return value, parse(value)
     except ValueError:
-        raise ConfigError(f"{name}={value!r}: expected an int >= 1 ({what})") from None
-    if number < 1:
-        raise ConfigError(f"{name}={value!r}: {what} must be >= 1, got {number}")
-    return number
+        raise ConfigError(f"{name}={value!r}: expected {expected}") from None
 
 
 def _staging_chunk() -> int:

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .buffers import array_module, is_device_array
 from .errors import CommTimeoutError, MpcommError
 
 # Spins of Testall before each poll also yields the core: ranks are often oversubscribed on small machines.
@@ -90,10 +91,10 @@ class Transport:
         """A reusable 1-D scratch array of ``count`` elements; ``slot`` names independent buffers."""
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
-        key = slot if like is None or type(like) is np.ndarray else (slot, type(like).__module__.split(".")[0])
+        key = slot if like is None or type(like) is np.ndarray or not is_device_array(like) else (slot, "device")
         buf = self._scratch.get(key)
         if buf is None or buf.nbytes < nbytes:
-            buf = _array_module(like).empty(max(nbytes, 64), dtype=np.uint8)
+            buf = array_module(like).empty(max(nbytes, 64), dtype=np.uint8)
             self._scratch[key] = buf
         return buf[:nbytes].view(dtype)
 
@@ -423,11 +424,3 @@ def split_node(mpi_comm: MPI.Comm, ranks_per_node: int | None) -> MPI.Comm:
         rank = mpi_comm.Get_rank()
         return mpi_comm.Split(rank // int(ranks_per_node), rank)
     return mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
-
-
-def _array_module(like):
-    if like is not None and type(like).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np

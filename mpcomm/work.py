@@ -37,7 +37,7 @@ def wait_timeout(timeout, operation: str = "wait") -> float | None:
     anything else (NaN, negative, not a number) is a ValueError, never a wait that no deadline ends."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0 or math.isinf(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not float(timeout) >= 0 or math.isinf(timeout):
         raise ValueError(f"{operation}: timeout must be None or a finite number of seconds >= 0, got {timeout!r}")
     return min(float(timeout), threading.TIMEOUT_MAX)  # (longer than any run: the operation's own deadline ends it)
 
@@ -67,6 +67,7 @@ class FutureWork(Work):
             if self._future.done():  # the operation itself raised (CommTimeoutError is a TimeoutError too)
                 raise
             elapsed = time.monotonic() - self._start
+            assert timeout is not None  # result(None) does not time out
             raise CommTimeoutError(self._operation, self._peers, elapsed, timeout, self._rank,
                                    consequence=STILL_RUNNING) from None
 
@@ -120,7 +121,8 @@ class DeferredWork(Work):
 
     def __init__(self, progress: InlineProgress, body, transport, operation: str = "collective"):
         self._progress, self._body, self._transport, self._operation = progress, body, transport, operation
-        self.done, self._result, self._error = False, None, None
+        self.done, self._result = False, None
+        self._error: Exception | None = None
 
     def run(self) -> None:
         try:

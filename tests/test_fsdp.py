@@ -417,7 +417,7 @@ def test_parameter_shapes_differing_across_ranks_fail_everywhere(comm):
         pytest.skip("needs at least 2 ranks to differ")
     width = 8 + (comm.rank == comm.size - 1)
     model = Sequential(Linear(4, width), Linear(width, 2))
-    with pytest.raises(ValueError, match=rf"differs across ranks.*rank {comm.size - 1}: parameter '0.weight'"):
+    with pytest.raises(ConfigError, match=rf"differs across ranks.*rank {comm.size - 1}: parameter '0.weight'"):
         FullyShardedDataParallel(model, comm)
     comm.barrier()
 

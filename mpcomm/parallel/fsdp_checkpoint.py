@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import warnings
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import numpy as np
 
@@ -105,7 +105,7 @@ def _on_every_rank(comm, what: str, fn: Callable[[], T]) -> T:
     except Exception as exc:  # noqa: BLE001 - every rank learns about it in _agree
         result, error = None, exc
     _agree(comm, error, what)
-    return result
+    return cast(T, result)  # no rank raised: fn() returned
 
 
 # ---- atomic, checksummed file writes -------------------------------------------------------------
@@ -424,7 +424,7 @@ def _read_sharded(engine, path: str, with_optimizer: bool) -> list[tuple[np.ndar
                 out[piece.dst_lo : piece.dst_hi] = src[piece.src_lo : piece.src_hi]
             return out
 
-        state = {}
+        state: dict[str, Any] = {}
         if with_optimizer:
             state = dict(um["optimizer"]["scalars"])
             state.update((key, read(key)) for key in um["optimizer"]["arrays"])
@@ -434,7 +434,7 @@ def _read_sharded(engine, path: str, with_optimizer: bool) -> list[tuple[np.ndar
 
 # ---- full -----------------------------------------------------------------------------------------
 def save_full(engine: "FullyShardedDataParallel", path: str) -> None:
-    state = engine.full_state_dict()
+    state: dict[str, Any] = engine.full_state_dict()  # (Any: numpy's savez types **arrays like its keywords)
 
     def write() -> None:
         if engine.comm.rank == 0:

@@ -23,7 +23,7 @@ import os
 import sys
 from collections import defaultdict
 from functools import partial
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -42,7 +42,7 @@ def slot_plan(lists: Sequence[Sequence[Action]]) -> dict[tuple[str, int, int], i
     whose last message's use on the receiver happens before this message's send, else a new one."""
     clocks = _vector_clocks(lists)
     sends, consumers = {}, {}  # match key -> (rank, vector clock) of its send / of its receiver's backward
-    links: dict[tuple[int, int], list] = defaultdict(list)  # (sender, receiver) -> match keys in send order
+    links: dict[tuple[int, int | None], list] = defaultdict(list)  # (sender, receiver) -> match keys in send order
     for r, acts in enumerate(lists):
         for a, clock in zip(acts, clocks[r]):
             if a.is_send:
@@ -150,7 +150,7 @@ class SharedHandoffs:
         # whether every pair of neighbouring ranks (r, r + 1) hands off here: then no MPI message carries data
         self.all_shared = all(everyone[r] == everyone[r + 1] == (everyone[r][0], True) and used[everyone[r][0]]
                               for r in range(wire.size - 1))
-        self.window = MPI.Win.Allocate_shared(size, 1, comm=node) if used[leader] else None
+        self.window = MPI.Win.Allocate_shared(size, 1, comm=cast(MPI.Intracomm, node)) if used[leader] else None
         node.Free()
         self.step = 0
         self.incoming: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tag -> (slot, flag) in this rank's segment
@@ -159,7 +159,9 @@ class SharedHandoffs:
         self._segments: list[np.ndarray] = []  # every array on the window's memory is a view of one of these
         if self.window is not None:
             self.window.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for the whole run, for Sync
-            segments = {holder: np.frombuffer(self.window.Shared_query(node_ranks[holder])[0], dtype=np.uint8)
+            # mpi4py types its buffer as a Buffer only for Python >= 3.12
+            segments = {holder: np.frombuffer(self.window.Shared_query(node_ranks[holder])[0],  # type: ignore[call-overload]
+                                              dtype=np.uint8)
                         for holder in {rank, *(peer for _, peer in outgoing)}}
             for key, _ in incoming:
                 self.incoming[mine[key][0]] = _views(segments[rank], layout[key], *mine[key][1:])
@@ -186,6 +188,7 @@ class SharedHandoffs:
                               f"micro-batch {mb} is {data.dtype}{list(data.shape)} where the first step agreed "
                               f"{slot.dtype}{list(slot.shape)}; call reset_shapes() on every rank first")
         slot[...] = data
+        assert self.window is not None  # outgoing holds slots of the window
         self.window.Sync()  # the slot's bytes before the flag, on any memory model
         flag[0] = self.step
 
@@ -198,6 +201,7 @@ class SharedHandoffs:
         micro-batch), waited for with the wire's deadline."""
         slot, flag = self.incoming[tag]
         self.wire.poll_until(partial(self.arrived, tag), (peer,), label)
+        assert self.window is not None  # incoming holds slots of the window
         self.window.Sync()
         if flag[0] < 0:
             raise MpcommError(f"{label}: rank {peer} had a message of another shape or dtype than agreed "

@@ -18,13 +18,11 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ...algorithms import REGISTRY
+from ...buffers import AVG, OPS
 from ...comm import Communicator
 from .lane import Lane
 from .pages import MIN_BYTES as HUGE_PAGES_FROM, HugePages
 from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, same_layout, unpack
-
-_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-
 
 class AllreducePaths:
     """The all-reduce methods of the Backend (a base class of it). They use the group's ``comm``, ``algorithm``,
@@ -160,7 +158,8 @@ class AllreducePaths:
         same_layout("allreduce", tensors)
         arrays = [as_reducible(t, "allreduce tensor") for t in tensors]
         red = reduction(op, tensors[0].dtype, "allreduce")
-        local = red.local or _UFUNCS.get(red.name)
+        # the list is combined here first, then across ranks: avg has no such two-step form
+        local = red.local or (None if red.name == AVG else OPS[red.name].ufunc)
         if local is None:
             raise NotImplementedError(f"mpcomm backend: allreduce of a list of {len(tensors)} tensors with "
                                       f"ReduceOp.{red.torch_name} is not supported (pass one tensor)")
