@@ -27,7 +27,7 @@ from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduct
 class AllreducePaths:
     """The all-reduce methods of the Backend (a base class of it). They use the group's ``comm``, ``algorithm``,
     lane (``_lane``, ``_issue``, ``_run_here``), ``_sequence``, ``_pages`` and the C++ extension's
-    ``_native_plan`` / ``_native_run``, which ``BackendMpcomm.__init__`` sets up with :meth:`_native_allreduce`."""
+    ``_native_plan`` / ``_native_run``, which the Backend's constructor sets up with :meth:`_native_allreduce`."""
 
     comm: Communicator
     algorithm: str
