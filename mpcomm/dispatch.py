@@ -23,22 +23,20 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
 
 from . import p2p, staging
 from .algorithms import KEEP_LOW_PRECISION, REGISTRY
+from .algorithms.auto import Selector
 from .algorithms.chunks import count_matrix
 from .buffers import AVG, check_dtype_op, reduce_op, wire_dtype
 from .errors import CollectiveMismatchError, MpcommError
 from .plan import Plan
 from .transport import Transport, created
 from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
-
-if TYPE_CHECKING:
-    from .algorithms.auto import Selector
 
 _clock = time.perf_counter  # (a module-level name: one lookup less on every call)
 _PROTOCOL = Plan.meeting("protocol channel")
@@ -65,12 +63,12 @@ class Dispatcher:
     size: int
     timeout: float
     validate: bool
+    selector: Selector
     _sync: Transport
     _async: Transport
+    _p2p: p2p.Channels
     _base: MPI.Comm
     _progress: str
-    _p2p: p2p.Channels
-    selector: Selector
 
     def _start_dispatch(self) -> None:
         self._protocols: dict[str, Transport] = {}  # see protocol_transport
@@ -107,7 +105,7 @@ class Dispatcher:
             return plan
         rop = None
         if operation in REDUCING:
-            rop = reduce_op(op, operation)
+            rop = reduce_op(cast(str, op), operation)  # (it names any value it cannot take, None included)
             check_dtype_op(array.dtype, rop.name, operation)
             if rop.name == AVG:
                 rop = rop.averaged(self.size)  # each algorithm divides where it finishes a sum, before sharing it
