@@ -25,9 +25,9 @@ run: $(STAMP)
 	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(RANKS) $(PY) -m mpcomm.train --engine 3d --dp 1 --tp 2 --pp 2 --steps 5
 	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(RANKS) $(PY) -m mpcomm.train --engine 3d --dp 2 --tp 1 --pp 2 --steps 5
 
-test: test-serial test-mpi
+test: typecheck test-serial test-mpi
 
-# mypy over the whole package ([tool.mypy] in pyproject.toml); its cache in .mypy_cache keeps a rerun quick
+# mypy over the whole package ([tool.mypy] in pyproject.toml): ~10 s cold, under 1 s with its cache (.mypy_cache)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 

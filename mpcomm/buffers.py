@@ -67,7 +67,7 @@ OPS: dict[str, ReduceOp] = {
 }
 
 
-def reduce_op(op: str, operation: str = "reduction") -> ReduceOp:
+def reduce_op(op: object, operation: str = "reduction") -> ReduceOp:
     """The ReduceOp called ``op``; TypeError for an unknown name."""
     try:
         return OPS[str(op).lower()]

@@ -17,13 +17,14 @@ from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
+from numpy.typing import DTypeLike
 
 from . import p2p, staging
 from .algorithms.auto import Selector
 from .buffers import SUM, NoBuffer, WorkArray, as_input, as_output, same_device
 from .dispatch import FREED, Dispatcher
 from .errors import CommTimeoutError, ConfigError, MpcommError
-from .p2p import ANY_SOURCE, Status
+from .p2p import ANY_SOURCE, Status, Wildcard
 from .plan import Plan
 from .settings import DEFAULT_TIMEOUT, Settings, agree
 from .topology import node_topology
@@ -76,6 +77,7 @@ class Communicator(Dispatcher):
         """The constructor's collective part, on ``base`` (mpcomm's duplicate); ``made`` collects the MPI
         communicators made, for the constructor to free if this fails."""
         agree(Transport(base, settings.timeout if settings else DEFAULT_TIMEOUT), settings, problem)
+        assert settings is not None  # agree() raised on every rank otherwise
         self._base = base  # its collectives: those that complete or fail the constructor, split() and free()
         self.timeout, self.validate = settings.timeout, settings.validate
         self.ranks_per_node, self._progress = settings.ranks_per_node, settings.progress
@@ -133,8 +135,8 @@ class Communicator(Dispatcher):
         self.run(_BARRIER)
 
     # ------------------------------------------------------------------ calibration of algorithm="auto"
-    def tune(self, sizes=None, repeats: int = 5, operations=("allreduce",), dtype="float32",
-             algorithms=None, verbose: bool = True) -> dict:
+    def tune(self, sizes: Sequence[int] | None = None, repeats: int = 5, operations: Sequence[str] = ("allreduce",),
+             dtype: DTypeLike = "float32", algorithms: Sequence[str] | None = None, verbose: bool = True) -> dict:
         """Time every algorithm at ``sizes`` (bytes) on this communicator and make ``auto`` use the fastest.
 
         Collective. Rank 0 decides and broadcasts, so all ranks hold the same table; it is also returned
@@ -194,7 +196,8 @@ class Communicator(Dispatcher):
             return False  # a rank that did not come may be one that saw a failure
         if anyone[0]:
             return False
-        for transport in (self._sync, self._p2p, self._async, *self._protocols.values()):
+        owned: tuple[Transport | p2p.Channels, ...] = (self._sync, self._p2p, self._async, *self._protocols.values())
+        for transport in owned:
             transport.free()  # (the duplicate with the payloads' transport)
         if self._owned is not None:
             self._owned.Free()
@@ -292,7 +295,8 @@ class Communicator(Dispatcher):
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
         p2p.send(self._channels("send"), buf, dst, tag, self._payload_transport)
 
-    def recv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Any:
+    def recv(self, buf: Any, src: int | Wildcard = ANY_SOURCE, tag: int | Wildcard = 0,
+             status: Status | None = None) -> Any:
         """Receive into ``buf`` from ``src`` (``ANY_SOURCE``: whoever sends) with ``tag`` (or ``ANY_TAG``);
         returns ``buf``. ``status``, if given, is filled with the matched source, tag and element count."""
         return p2p.recv(self._channels("recv"), buf, src, tag, status, self._payload_transport)
@@ -301,7 +305,8 @@ class Communicator(Dispatcher):
         channels = self._channels("send")
         return p2p.isend(channels, self._payload_transport(channels, "send", buf), buf, dst, tag)
 
-    def irecv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Work:
+    def irecv(self, buf: Any, src: int | Wildcard = ANY_SOURCE, tag: int | Wildcard = 0,
+              status: Status | None = None) -> Work:
         """Start a receive; the Work's ``source`` and ``tag`` say what it matched once it has completed."""
         channels = self._channels("recv")
         return p2p.irecv(channels, self._payload_transport(channels, "recv", buf), buf, src, tag, status)

@@ -11,13 +11,15 @@ import pickle
 import threading
 import time
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
 from .buffers import array_module, is_device_array
 from .errors import CommTimeoutError, MpcommError
+
+T = TypeVar("T")
 
 # Spins of Testall before each poll also yields the core: ranks are often oversubscribed on small machines.
 _SPINS_BEFORE_YIELD = 32
@@ -51,7 +53,7 @@ class Transport:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.timeout = float(timeout)
-        self.operation = "communication"
+        self.operation: object = "communication"  # a str, or what str() names it by (formatted on an error)
         self._ranks_per_node = ranks_per_node
         self._scratch: dict = {}
         self._node: Transport | None = None
@@ -64,7 +66,7 @@ class Transport:
         # and algorithm). One table per transport, so the thread that runs its collectives is the only writer.
         self.records: dict = {}
         # Called while this transport waits: progress of point-to-point receives (see ``mpcomm.p2p.Channels``).
-        self.progress_hook = None
+        self.progress_hook: Callable[[], None] | None = None
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
         self.spins_before_yield, self.quick_tests = _SPINS_BEFORE_YIELD, _QUICK_TESTS
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
@@ -76,7 +78,7 @@ class Transport:
         self.spins_before_yield, self.quick_tests = _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS
 
     # ------------------------------------------------------------------ context for error messages
-    def running(self, operation: str) -> "_Running":
+    def running(self, operation: object) -> "_Running":
         """Name the operation in progress (a ``with`` block), so that errors raised underneath can say what ran."""
         return _Running(self, operation)
 
@@ -216,16 +218,12 @@ class Transport:
     @property
     def node(self) -> "Transport":
         """Transport among the ranks of this node (collective on first use)."""
-        if self._node is None:
-            self._split_topology()
-        return self._node
+        return self._node if self._node is not None else self._split_topology()[0]
 
     @property
     def cross(self) -> "Transport":
         """Transport among the ranks with this rank's node-local index, one per node (collective on first use)."""
-        if self._cross is None:
-            self._split_topology()
-        return self._cross
+        return self._cross if self._cross is not None else self._split_topology()[1]
 
     @property
     def nodes_are_uniform(self) -> bool:
@@ -237,7 +235,7 @@ class Transport:
             self._uniform = bool(extremes[0] == -extremes[1])
         return self._uniform
 
-    def _split_topology(self) -> None:
+    def _split_topology(self) -> tuple["Transport", "Transport"]:
         # Comm_split has no non-blocking form: meet first with a deadline, so a missing rank is a CommTimeoutError
         # here rather than a hang inside the split.
         self.wait([self.mpi.Ibarrier()], self.others)
@@ -249,6 +247,7 @@ class Transport:
             sub.progress_hook = self.progress_hook
             sub.spins_before_yield, sub.quick_tests = self.spins_before_yield, self.quick_tests
             sub.waiters = self.waiters
+        return self._node, self._cross
 
     def scratch_bytes(self) -> int:
         """The bytes of the scratch buffers kept for reuse, those of the node and cross parts included."""
@@ -303,7 +302,7 @@ class Transport:
                 for request in requests:
                     cancel(request)
                 self.failed = True
-                raise CommTimeoutError(operation or self.operation, peers, now - start, timeout, self.rank,
+                raise CommTimeoutError(str(operation or self.operation), peers, now - start, timeout, self.rank,
                                        self.on_timeout)
 
 
@@ -366,7 +365,7 @@ class _Running:
 
     __slots__ = ("transport", "operation", "previous")
 
-    def __init__(self, transport: Transport, operation: str):
+    def __init__(self, transport: Transport, operation: object):
         self.transport, self.operation = transport, operation
 
     def __enter__(self) -> Transport:
@@ -384,7 +383,7 @@ def _error_text(code: int) -> str:
     return f"{head} ({lines[-1]})" if len(lines) > 1 else head
 
 
-def created(make: Callable[[], MPI.Comm], what: str, rank: int) -> MPI.Comm:
+def created(make: Callable[[], T], what: str, rank: int) -> T:
     """``make()`` (an MPI call that creates a communicator); an MpcommError saying what ran out if MPI cannot."""
     try:
         return make()

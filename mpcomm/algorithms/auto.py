@@ -202,7 +202,7 @@ class CostModel:
         return 2 * rounds * a + 2 * (nodes - 1) / nodes * n * b * sharing + (nodes - 1) / nodes * n * self.gamma
 
     # -------------------------------------------------------------- per collective
-    def allreduce(self, algorithm: str, nbytes: int, layout: Layout) -> float:
+    def allreduce(self, algorithm: str, nbytes: float, layout: Layout) -> float:
         p, n = layout.size, float(nbytes)
         if p == 1:
             return 0.0
@@ -406,11 +406,11 @@ class Selector:
         names = candidates or self.candidates[operation]
         model = self.model.for_layout(self.layout)
         costs = {a: model.call(operation, a, nbytes, self.layout, dtype, op) for a in names}
-        best = min(costs, key=costs.get)
+        best = min(costs, key=costs.__getitem__)
         if self.layout.num_nodes > 1:
             steady = [a for a in STEADY if costs.get(a, math.inf) <= costs[best] * (1 + STEADY_MARGIN)]
             if steady:
-                return min(steady, key=costs.get)
+                return min(steady, key=lambda a: costs.get(a, math.inf))
         return best
 
     # -------------------------------------------------------------- calibration table
@@ -455,12 +455,15 @@ class Selector:
 
 
 # ------------------------------------------------------------------ the model's predictions, for the README
+_PREDICTION_SIZES = tuple(1 << k for k in range(3, 31))  # 8 B .. 1 GiB
+
+
 def crossovers(
     ranks=(64, 128, 256, 512, 1024, 2048, 4096),
     ranks_per_node: int = 8,
     algorithms=("ring", "ring_pipelined", "rhd", "tree", "hierarchical"),
     model: CostModel | None = None,
-    sizes=tuple(1 << k for k in range(3, 31)),
+    sizes=_PREDICTION_SIZES,
 ) -> dict[int, list[tuple[int, str]]]:
     """For each communicator size, the all-reduce algorithm the model prefers and the size it starts at:
     ``{p: [(from_bytes, algorithm), ...]}``. ``native`` is left out by default (the model runs it at C speed)."""

@@ -46,7 +46,7 @@ class Parameter:
         return int(self.data.size)
 
     @property
-    def dtype(self):
+    def dtype(self) -> Any:
         return self.data.dtype
 
     def accumulate_grad(self, g: Any) -> None:

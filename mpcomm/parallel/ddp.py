@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -453,7 +453,7 @@ class DistributedDataParallel:
                     p.grad = view
 
     @contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator["DistributedDataParallel"]:
         """Gradients accumulate locally inside; the first backward after it synchronizes the accumulated sum."""
         previous, self._require_sync = self._require_sync, False
         try:

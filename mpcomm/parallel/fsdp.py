@@ -27,7 +27,7 @@ from mpi4py import MPI
 from ..buffers import BFLOAT16
 from ..comm import Communicator
 from ..errors import ConfigError
-from ..nn import Module, Parameter
+from ..nn import Module, Optimizer, Parameter
 from ..nn.backend import array_module, to_numpy
 from . import fsdp_checkpoint
 from .fsdp_checkpoint import check_optimizer
@@ -258,7 +258,7 @@ class FullyShardedDataParallel:
             lo, hi = u.layout.shard_range(self.groups.shard_index)
             u.shard.data[...] = flat[lo:hi] if array_module(u.shard.data) is np else self.xp.asarray(flat[lo:hi])
 
-    def full_optim_state_dict(self, optimizer) -> dict:
+    def full_optim_state_dict(self, optimizer: Optimizer) -> dict:
         """``{param name: {key: full array or scalar}}`` from an optimizer over ``self.parameters()``. Collective."""
         check_optimizer(self, optimizer)
         out: dict = {}
@@ -278,11 +278,11 @@ class FullyShardedDataParallel:
         return out
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def save_sharded(self, path: str, optimizer=None) -> None:
+    def save_sharded(self, path: str, optimizer: Optimizer | None = None) -> None:
         """Each rank writes its shards (and optimizer moments) atomically; see ``fsdp_checkpoint``. Collective."""
         fsdp_checkpoint.save_sharded(self, path, optimizer)
 
-    def load_sharded(self, path: str, optimizer=None) -> None:
+    def load_sharded(self, path: str, optimizer: Optimizer | None = None) -> None:
         """Load a sharded checkpoint written at any world size. Collective."""
         fsdp_checkpoint.load_sharded(self, path, optimizer)
 
@@ -291,7 +291,7 @@ class FullyShardedDataParallel:
         fsdp_checkpoint.save_full(self, path)
 
     # ---- measurements --------------------------------------------------------------------------
-    def memory_stats(self, optimizer=None) -> dict[str, int]:
+    def memory_stats(self, optimizer: Optimizer | None = None) -> dict[str, int]:
         """Bytes measured from the arrays alive now, plus the peaks of transient buffers in the last step.
 
         ``peak_param_bytes`` = sharded params + peak of gathered param buffers alive at once.

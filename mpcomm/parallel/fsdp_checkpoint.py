@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 import numpy as np
 
 from ..errors import MpcommError
+from ..nn import Optimizer
 from ..nn.backend import array_module, to_numpy
 from .flat_param import FlatLayout, reshard_plan
 
@@ -310,7 +311,7 @@ def _optimizer_parts(engine, optimizer, i: int) -> tuple[dict, dict]:
     return arrays, scalars
 
 
-def check_optimizer(engine: "FullyShardedDataParallel", optimizer) -> None:
+def check_optimizer(engine: "FullyShardedDataParallel", optimizer: Optimizer) -> None:
     """ValueError unless ``optimizer`` was built over exactly ``engine.parameters()``, in that order (its state is
     saved and loaded per shard, by position)."""
     mine = [id(p) for p in engine.parameters()]
@@ -318,7 +319,7 @@ def check_optimizer(engine: "FullyShardedDataParallel", optimizer) -> None:
         raise ValueError("the optimizer must be built over exactly engine.parameters(), in that order")
 
 
-def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) -> None:
+def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optimizer | None = None) -> None:
     comm, groups = engine.comm, engine.groups
     if optimizer is not None:
         check_optimizer(engine, optimizer)
@@ -363,7 +364,7 @@ def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) 
     _on_every_rank(comm, what, publish)
 
 
-def load_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) -> None:
+def load_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optimizer | None = None) -> None:
     """Verify and read this rank's shards; only when every rank succeeded is anything changed (collective)."""
     if optimizer is not None:
         check_optimizer(engine, optimizer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -18,6 +18,10 @@ from mpcomm.nn import Sequential, mse_loss
 from mpcomm.nn.backend import array_module
 
 from mpcomm.transport import Transport
+
+if TYPE_CHECKING:
+    from mpcomm.comm import Communicator
+    from mpcomm.mesh import ParallelMesh
 
 from .pipeline_executor import Receive, StepExecutor, StepState, instruction
 from .pipeline_shapes import StageShapes, chunk_array_module, infer_shapes
@@ -109,8 +113,8 @@ class PipelineParallel:
     (loss, grad)`` must average over the micro-batch (default :func:`~mpcomm.nn.mse_loss`).
     """
 
-    def __init__(self, module: Sequential, mesh, num_micro_batches: int, schedule: str = "1f1b",
-                 virtual_stages: int = 1, balance: Any = "layers", recompute: bool = False,
+    def __init__(self, module: Sequential, mesh: ParallelMesh | Communicator, num_micro_batches: int,
+                 schedule: str = "1f1b", virtual_stages: int = 1, balance: Any = "layers", recompute: bool = False,
                  loss_fn: Callable = mse_loss, max_posted_recvs: int | None = 4, tag_base: int = 0,
                  spin_after_send: float | str = "auto", shared_memory: bool = True):
         self.comm = _pp_comm(mesh)

@@ -14,10 +14,16 @@ its receiver is waiting, the case on the critical path); if it does, no time is 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mpcomm.transport import Transport, completed
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from mpcomm.comm import Communicator
 
 # The receiver's window for the message to arrive while the sender makes no MPI call: this long at least, and
 # _WINDOW_TRANSFERS transfers (as measured with the sender testing) so that a slow link is not mistaken for a stall.
@@ -33,7 +39,7 @@ _TIMED = 3
 _OPERATION = "pipeline: measuring whether hand-offs move without the sender's MPI calls"
 
 
-def measure_spin_after_send(comm, wire: Transport, nbytes: int, tag: int) -> float:
+def measure_spin_after_send(comm: Communicator, wire: Transport, nbytes: int, tag: int) -> float:
     """Seconds each rank of the pp Communicator ``comm`` should test a hand-off after sending it: 0 when a
     message of ``nbytes`` (the largest of any rank's) reaches rank r + 1 from every rank r while r makes no MPI
     call, else ``_SPIN_TRANSFERS`` transfers of the slowest pair as measured with the sender testing (within
@@ -53,7 +59,7 @@ def measure_spin_after_send(comm, wire: Transport, nbytes: int, tag: int) -> flo
     return float(agreed[0])
 
 
-def test_until(request, deadline: float) -> bool:
+def test_until(request: MPI.Request, deadline: float) -> bool:
     """Drive MPI for ``request`` until it completes (True) or ``time.perf_counter()`` passes ``deadline`` (False),
     leaving it for a later wait: how a sender keeps its message moving where MPI needs its calls for that, and how
     the probe's receiver watches for one."""

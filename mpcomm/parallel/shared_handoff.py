@@ -158,9 +158,7 @@ class SharedHandoffs:
         self._segments: list[np.ndarray] = []  # every array on the window's memory is a view of one of these
         if self.window is not None:
             self.window.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for the whole run, for Sync
-            # mpi4py types its buffer as a Buffer only for Python >= 3.12
-            segments = {holder: np.frombuffer(self.window.Shared_query(node_ranks[holder])[0],  # type: ignore[call-overload]
-                                              dtype=np.uint8)
+            segments = {holder: np.frombuffer(self.window.Shared_query(node_ranks[holder])[0], dtype=np.uint8)
                         for holder in {rank, *(peer for _, peer in outgoing)}}
             for key, _ in incoming:
                 self.incoming[mine[key][0]] = _views(segments[rank], layout[key], *mine[key][1:])
@@ -177,7 +175,7 @@ class SharedHandoffs:
         step is not this one's."""
         self.step = number
 
-    def send(self, tag: int, data) -> None:
+    def send(self, tag: int, data: np.ndarray) -> None:
         """Copy ``data`` into the slot of message ``tag`` and raise its flag."""
         slot, flag = self.outgoing[tag]
         if data.shape != slot.shape or data.dtype != slot.dtype:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -19,13 +19,25 @@ from mpi4py import MPI
 
 from ...algorithms import REGISTRY
 from ...buffers import AVG, OPS
-from .pages import MIN_BYTES as HUGE_PAGES_FROM
+from ...comm import Communicator
+from .lane import Lane
+from .pages import MIN_BYTES as HUGE_PAGES_FROM, HugePages
 from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, same_layout, unpack
 
 class AllreducePaths:
     """The all-reduce methods of the Backend (a base class of it). They use the group's ``comm``, ``algorithm``,
     lane (``_lane``, ``_issue``, ``_run_here``), ``_sequence``, ``_pages`` and the C++ extension's
-    ``_native_plan`` / ``_native_run``, which ``BackendMpcomm.__init__`` sets up with :meth:`_native_allreduce`."""
+    ``_native_plan`` / ``_native_run``, which the Backend's constructor sets up with :meth:`_native_allreduce`."""
+
+    comm: Communicator
+    algorithm: str
+    _lane: Lane
+    _pages: HugePages
+    _sequence: int
+    _native_plan: Callable[..., Any] | None
+    _native_run: Callable[..., Any] | None
+    _issue: Callable[..., Any]
+    _run_here: Callable[..., None]
 
     def allreduce(self, tensors, opts=None):
         """Each tensor <- the reduction over ranks (a list of several is reduced together first, as gloo does).
