@@ -22,8 +22,8 @@
 #   UCX_TLS=tcp,self UCX_NET_DEVICES=nic0 (FI_PROVIDER=tcp FI_TCP_IFACE=nic0 for the OFI netmod): without them
 #              UCX sees one host and moves inter-node messages through shared memory, never touching the NIC.
 #   UCX_RNDV_THRESH=inf (unless set): UCX's rendezvous protocol over TCP serialises the two directions of an
-#              exchange (measured: 0.47 Gbit/s each way at 1gbit, against 0.94 one way); eager messages use
-#              the link full duplex (0.92-0.94 each way), as a real NIC would be used.
+#              exchange; eager messages use the link full duplex, as a real NIC would be used
+#              (bench/results/observations.md, "UCX's rendezvous over TCP").
 #
 # Nodes are named node0..node{N-1} and resolve through a hosts file bind-mounted over /etc/hosts; each has its own
 # UTS namespace, so MPI.Get_processor_name() differs per node and COMM_TYPE_SHARED splits one group per node.
@@ -95,10 +95,9 @@ inside() {
     ip link set br0 up
     if [[ $rate != unlimited ]]; then
         bits=$(rate_bits "$rate")
-        # max(128 KiB, 1 ms at the rate). Messages up to ~128 KiB then leave at the veth's speed, not the rate
-        # (64 KiB: 0.12 ms one way at 1gbit, where a NIC needs 0.55), but smaller buckets break the rate where it
-        # matters: at 16-32 KiB two ranks per node exchanging across the link got 0.56 Gbit/s each way (0.94
-        # with 128 KiB; one rank per node 0.87-0.90), measured 2026-11-24.
+        # max(128 KiB, 1 ms at the rate). Messages up to ~128 KiB then leave at the veth's speed, not the rate,
+        # but smaller buckets break the rate where it matters: an exchange of two ranks per node
+        # (bench/results/observations.md, "The tbf burst of the simulated links").
         burst=$(( bits / 8 / 1000 > 131072 ? bits / 8 / 1000 : 131072 ))
     fi
     hosts="127.0.0.1 localhost"$'\n'

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Any
 
 import ml_dtypes
@@ -16,14 +17,14 @@ from mpi4py import MPI
 
 SUM, PROD, MIN, MAX, AVG = "sum", "prod", "min", "max", "avg"
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-_FLOATS = {np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64)}
-_INTS = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)}
-_COMPLEX = {np.dtype(np.complex64), np.dtype(np.complex128)}
-_BOOL = np.dtype(np.bool_)
+BFLOAT16: np.dtype = np.dtype(ml_dtypes.bfloat16)
+_FLOATS: set[np.dtype] = {np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64)}
+_INTS: set[np.dtype] = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)}
+_COMPLEX: set[np.dtype] = {np.dtype(np.complex64), np.dtype(np.complex128)}
+_BOOL: np.dtype = np.dtype(np.bool_)
 LOW_PRECISION = frozenset({np.dtype(np.float16), BFLOAT16})
 
-SUPPORTED_DTYPES = tuple(sorted(_FLOATS | _INTS | _COMPLEX | {_BOOL}, key=str))
+SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(sorted(_FLOATS | _INTS | _COMPLEX | {_BOOL}, key=str))
 
 # DLPack device types (dlpack.h): 1 = CPU, 2 = CUDA, 3 = CUDA host (pinned), 13 = CUDA managed.
 _DLPACK_HOST = (1, 3)
@@ -66,7 +67,7 @@ OPS: dict[str, ReduceOp] = {
 }
 
 
-def reduce_op(op: str, operation: str = "reduction") -> ReduceOp:
+def reduce_op(op: object, operation: str = "reduction") -> ReduceOp:
     """The ReduceOp called ``op``; TypeError for an unknown name."""
     try:
         return OPS[str(op).lower()]
@@ -118,9 +119,17 @@ def wire_dtype(dtype: np.dtype, widen: bool = True) -> np.dtype:
     return dtype
 
 
-def is_device_array(array) -> bool:
-    """True for a CuPy array (device memory)."""
+def is_device_array(array: Any) -> bool:
+    """True for a CuPy array (device memory): the library's one test of "is this CuPy"."""
     return type(array).__module__.split(".")[0] == "cupy"
+
+
+def array_module(*arrays: Any) -> ModuleType:
+    """``cupy`` if any argument is a CuPy array, else ``numpy``."""
+    for a in arrays:
+        if type(a) is not np.ndarray and is_device_array(a):
+            return _cupy()
+    return np
 
 
 def _cupy():
@@ -195,8 +204,8 @@ class NoBuffer:
     def __enter__(self):
         return None
 
-    def __exit__(self, *exc) -> bool:
-        return False
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 class WorkArray:

@@ -18,13 +18,14 @@ from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
+from numpy.typing import DTypeLike
 
 from . import p2p, staging
 from .algorithms.auto import Selector
 from .buffers import SUM, NoBuffer, WorkArray, as_input, as_output, same_device
 from .dispatch import FREED, Dispatcher
 from .errors import CommTimeoutError, ConfigError, MpcommError
-from .p2p import ANY_SOURCE, Status
+from .p2p import ANY_SOURCE, Status, Wildcard
 from .plan import Plan
 from .settings import DEFAULT_TIMEOUT, Settings, agree
 from .topology import node_topology
@@ -77,6 +78,7 @@ class Communicator(Dispatcher):
         """The constructor's collective part, on ``base`` (mpcomm's duplicate); ``made`` collects the MPI
         communicators made, for the constructor to free if this fails."""
         agree(Transport(base, settings.timeout if settings else DEFAULT_TIMEOUT), settings, problem)
+        assert settings is not None  # agree() raised on every rank otherwise
         self._base = base  # its collectives: those that complete or fail the constructor, split() and free()
         self.timeout, self.validate = settings.timeout, settings.validate
         self.ranks_per_node, self._progress = settings.ranks_per_node, settings.progress
@@ -99,7 +101,7 @@ class Communicator(Dispatcher):
         self._async = Transport(private(), self.timeout, self.ranks_per_node)
         self._sync.progress_hook = self._async.progress_hook = self._p2p.progress  # (see mpcomm.p2p.Channels)
         if self.ranks_per_core > 1:  # (collectives only: a receive yielding sooner lost its core to ranks that
-            for t in (self._sync, self._async):  # spin elsewhere: p = 4 ping-pong 12.6 -> 50 us on 2 cores)
+            for t in (self._sync, self._async):  # spin elsewhere; bench/results/observations.md)
                 t.share_cores()
         self._start_dispatch()
         self._start_trace(settings.trace_buffer, base)
@@ -135,8 +137,8 @@ class Communicator(Dispatcher):
         self.run(_BARRIER)
 
     # ------------------------------------------------------------------ calibration of algorithm="auto"
-    def tune(self, sizes=None, repeats: int = 5, operations=("allreduce",), dtype="float32",
-             algorithms=None, verbose: bool = True) -> dict:
+    def tune(self, sizes: Sequence[int] | None = None, repeats: int = 5, operations: Sequence[str] = ("allreduce",),
+             dtype: DTypeLike = "float32", algorithms: Sequence[str] | None = None, verbose: bool = True) -> dict:
         """Time every algorithm at ``sizes`` (bytes) on this communicator and make ``auto`` use the fastest.
 
         Collective. Rank 0 decides and broadcasts, so all ranks hold the same table; it is also returned
@@ -196,7 +198,8 @@ class Communicator(Dispatcher):
             return False  # a rank that did not come may be one that saw a failure
         if anyone[0]:
             return False
-        for transport in (self._sync, self._p2p, self._async, *self._protocols.values()):
+        owned: tuple[Transport | p2p.Channels, ...] = (self._sync, self._p2p, self._async, *self._protocols.values())
+        for transport in owned:
             transport.free()  # (the duplicate with the payloads' transport)
         if self._owned is not None:
             self._owned.Free()
@@ -294,7 +297,8 @@ class Communicator(Dispatcher):
     def send(self, buf: Any, dst: int, tag: int = 0) -> None:
         self._traced("send", dst, buf, p2p.send, self._channels("send"), buf, dst, tag, self._payload_transport)
 
-    def recv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Any:
+    def recv(self, buf: Any, src: int | Wildcard = ANY_SOURCE, tag: int | Wildcard = 0,
+             status: Status | None = None) -> Any:
         """Receive into ``buf`` from ``src`` (``ANY_SOURCE``: whoever sends) with ``tag`` (or ``ANY_TAG``);
         returns ``buf``. ``status``, if given, is filled with the matched source, tag and element count."""
         return self._traced("recv", src, buf, p2p.recv, self._channels("recv"), buf, src, tag, status,
@@ -307,7 +311,8 @@ class Communicator(Dispatcher):
             self._trace.started_p2p("send", dst, buf, work)
         return work
 
-    def irecv(self, buf: Any, src: int = ANY_SOURCE, tag: int = 0, status: Status | None = None) -> Work:
+    def irecv(self, buf: Any, src: int | Wildcard = ANY_SOURCE, tag: int | Wildcard = 0,
+              status: Status | None = None) -> Work:
         """Start a receive; the Work's ``source`` and ``tag`` say what it matched once it has completed."""
         channels = self._channels("recv")
         work = p2p.irecv(channels, self._payload_transport(channels, "recv", buf), buf, src, tag, status)

@@ -76,7 +76,7 @@ def decide_cuda_aware(
     """
     forced = parse_flag(env_value)
     if forced is not None:
-        return forced, f"{ENV}={env_value.strip()} overrides detection"
+        return forced, f"{ENV}={(env_value or '').strip()} overrides detection"
     lib = vendor(library_version)
     name = (library_version or "unknown MPI").strip().splitlines()[0].strip() if library_version else "unknown MPI"
     if mpix_query is not None:
@@ -220,7 +220,8 @@ def detect() -> Detection:
     paths = _loaded_mpi_libraries()
     handles = _handles(paths)
     lib = vendor(library_version)
-    mpix = ompi = mpich = None
+    mpix = ompi = None
+    mpich: int | str | None = None
     try:
         mpix = _mpix_query(handles)
         if lib == "openmpi":

@@ -24,13 +24,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
 
 from . import p2p, staging, trace
 from .algorithms import KEEP_LOW_PRECISION, REGISTRY
+from .algorithms.auto import Selector
 from .algorithms.chunks import count_matrix
 from .buffers import AVG, check_dtype_op, reduce_op, wire_dtype
 from .errors import CollectiveMismatchError, MpcommError
@@ -63,8 +64,10 @@ class Dispatcher:
     size: int
     timeout: float
     validate: bool
+    selector: Selector
     _sync: Transport
     _async: Transport
+    _p2p: p2p.Channels
     _base: MPI.Comm
     _progress: str
     _trace: "trace.GroupTrace | None"  # the flight recorder's lane of the blocking calls (see _start_trace)
@@ -104,7 +107,7 @@ class Dispatcher:
             return plan
         rop = None
         if operation in REDUCING:
-            rop = reduce_op(op, operation)
+            rop = reduce_op(cast(str, op), operation)  # (it names any value it cannot take, None included)
             check_dtype_op(array.dtype, rop.name, operation)
             if rop.name == AVG:
                 rop = rop.averaged(self.size)  # each algorithm divides where it finishes a sum, before sharing it
@@ -264,6 +267,7 @@ class Dispatcher:
                 self._inline = InlineProgress()
         if self._inline is not None:
             return self._inline.submit(run, self._async, operation)
+        assert self._executor is not None  # made above
         return FutureWork(self._executor.submit(run, self._async), operation, self._others(), self.rank,
                           self._async.waiters)
 

@@ -13,6 +13,7 @@ bit for bit, slower (a failed build warns once, naming why).
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import os
@@ -36,7 +37,15 @@ _KINDS = {_FLOAT16: 0, BFLOAT16: 1}  # kernels.c: FLOAT16, BFLOAT16
 _OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, AVG: 0}  # kernels.c: SUM, PROD, MIN, MAX (avg: a sum, then divided)
 KEY_DTYPES = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
 _CANONICAL_NAN = {np.dtype(np.int32): 0x7FC00000, np.dtype(np.int64): 0x7FF8000000000000}  # numpy's nan's bits
-LOADED = "loaded"  # the ``kernels`` argument that means load()'s (None: numpy's forms)
+
+
+class _Loaded(enum.Enum):
+    """The ``kernels`` argument that means load()'s (None: numpy's forms)."""
+
+    LOADED = "loaded"
+
+
+LOADED = _Loaded.LOADED
 
 
 class Kernels:
@@ -128,7 +137,7 @@ def _address(array) -> int:
         return array.ctypes.data
 
 
-def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | str | None = LOADED) -> None:
+def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | _Loaded | None = LOADED) -> None:
     """``out`` <- ``chunks[0] op chunks[1] op ...`` in that order, finished (avg: divided); float16/bfloat16 in
     float32, rounded once. ``out`` may be ``chunks[0]`` (host arrays; any dtype; chunks of ``out``'s size)."""
     if out.size == 0:
@@ -154,7 +163,7 @@ def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | str | None
     op.finish(out)
 
 
-def to_keys(floats, op: str, kernels: Kernels | str | None = LOADED):
+def to_keys(floats, op: str, kernels: Kernels | _Loaded | None = LOADED):
     """In place: float32/float64 ``floats`` become integers that sort as they do, NaN the extreme ``op`` (min or
     max) picks; returns the integer view."""
     bits = floats.view(KEY_DTYPES[floats.dtype])
@@ -169,7 +178,7 @@ def to_keys(floats, op: str, kernels: Kernels | str | None = LOADED):
     return bits
 
 
-def from_keys(bits, kernels: Kernels | str | None = LOADED) -> None:
+def from_keys(bits, kernels: Kernels | _Loaded | None = LOADED) -> None:
     """In place: undo :func:`to_keys`; every NaN becomes numpy's ``nan`` (the same bits on every rank)."""
     kernels = load() if kernels is LOADED else kernels
     if kernels is not None:

@@ -179,8 +179,8 @@ def _end_with_user_error(agree: MPI.Comm, line: str | None, status: int, printed
         abort(status)
     everyone = agree.allgather((line, status))  # every rank is here: these collectives complete
     if agree.Get_rank() == 0:
-        shown = {line} if printed_by_rank0 else set()
-        text = "".join(f"{msg}\n" for msg, _ in dict.fromkeys(everyone) if msg is not None and msg not in shown)
+        printed = {line} if printed_by_rank0 else set()
+        text = "".join(f"{msg}\n" for msg, _ in dict.fromkeys(everyone) if msg is not None and msg not in printed)
         if text:
             _report_to_stderr(text)
     agree.Barrier()  # no rank exits before rank 0's line is out
@@ -253,5 +253,5 @@ def install_excepthook() -> None:
             _report_to_stderr(header)
         abort(1)
 
-    hook.mpcomm_chained = previous
+    setattr(hook, "mpcomm_chained", previous)  # (a function attribute: mypy knows none on Callables)
     sys.excepthook = hook

@@ -15,9 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union, cast
 
 from mpcomm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from mpcomm.comm import Communicator
+    from mpcomm.schedules import Action
 
 __all__ = [
     "DIMS", "DEFAULT_ORDER", "parse_order", "rank_groups", "coords_of", "rank_of", "format_groups",
@@ -203,13 +209,13 @@ class ParallelConfig:
     def zero_stage(self) -> int:
         return {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}.get(self.memory_strategy, 0)
 
-    def pipeline_schedule(self):
+    def pipeline_schedule(self) -> list[list[Action]]:
         """Per-rank compute action lists of :attr:`schedule` (see :mod:`mpcomm.schedules`)."""
         from mpcomm.schedules import schedule
         return schedule(self.schedule, self.pp, self.num_micro_batches, self.virtual_stages)
 
     # ---------------------------------------------------------------- validate
-    def validate(self, world_size: int | None = None, **estimate_kwargs) -> "ParallelConfig":
+    def validate(self, world_size: int | None = None, **estimate_kwargs: Any) -> "ParallelConfig":
         """Raise :class:`ConfigError` (a ``ValueError``) naming the first failed constraint; return ``self``.
 
         Checked: positive integer sizes; ``dp*tp*pp == world_size`` (when given); known schedule, memory strategy
@@ -356,10 +362,12 @@ class ParallelMesh:
     ``mesh.pp`` is its pp coordinate (likewise dp, tp).
     """
 
-    def __init__(self, comm, dp: int = 1, tp: int = 1, pp: int = 1, order: Order = DEFAULT_ORDER):
+    def __init__(self, comm: Communicator | MPI.Comm, dp: int = 1, tp: int = 1, pp: int = 1,
+                 order: Order = DEFAULT_ORDER):
         if not hasattr(comm, "split") and hasattr(comm, "Split"):  # raw mpi4py communicator
             from mpcomm.comm import Communicator
             comm = Communicator(comm)
+        comm = cast("Communicator", comm)  # (wrapped above if it was a raw mpi4py communicator)
         self.world = comm
         self.sizes = {"dp": dp, "tp": tp, "pp": pp}
         self.order = "-".join(_check(None, self.sizes, order))
@@ -373,7 +381,9 @@ class ParallelMesh:
         subs = {}
         for d in DIMS:  # identical sequence of collective splits on every rank
             color, key = _locate(self.groups[d], rank)
-            subs[d] = comm.split(color, key=key)
+            sub = comm.split(color, key=key)
+            assert sub is not None  # a colour on every rank
+            subs[d] = sub
         self.dp, self.tp, self.pp = subs["dp"], subs["tp"], subs["pp"]
 
     # ------------------------------------------------------------------ layout

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Any
 
 from mpi4py import MPI
 
@@ -43,8 +44,8 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     "mpich": Library("mpich", persistent_upto=0, blocking_above=None),
     # libnbc builds a schedule per Iallreduce (persistent requests would save it; off, see above). The meeting +
     # blocking call (faster on an idle node) is off until it is measured on a quiet one: oversubscribed, Open MPI's
-    # blocking call ran 2.5x slower than the polled one. Its blocking all-reduce moves bytes faster than mpcomm's
-    # ring/rhd on one node, hence the scale below 1.
+    # blocking call ran slower than the polled one (bench/results/observations.md). Its blocking all-reduce moves
+    # bytes faster than mpcomm's ring/rhd on one node, hence the scale below 1.
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=None, cost_model=(("native_byte_scale", 0.7),)),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).
@@ -59,7 +60,7 @@ def library() -> Library:
 
 # Each way of waiting, as the profile fields that make native take it at every size (benchmarks and tests force
 # each on whichever library they run on).
-WAYS = {
+WAYS: dict[str, dict[str, Any]] = {
     "nonblocking": {"persistent_upto": 0, "blocking_above": None},
     "persistent": {"persistent_upto": 1 << 62, "blocking_above": None},
     "meet+blocking": {"persistent_upto": 0, "blocking_above": -1},

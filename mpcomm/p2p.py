@@ -18,6 +18,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from mpi4py import MPI
@@ -33,12 +34,12 @@ _HEADER = struct.Struct("<4q")  # dtype code, bytes, elements, sequence number (
 _INLINE = -1
 _MEMORYVIEW_KINDS = "biufc"  # numpy kinds whose buffer formats memoryview can cast (its copy is the cheapest)
 _ENVELOPE_BYTES = _HEADER.size + INLINE_BYTES
-_TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+_TAG_UB = cast(int, MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))  # (every MPI library sets it)
 _CODES = {np.dtype(d): zlib.crc32(np.dtype(d).name.encode()) for d in SUPPORTED_DTYPES}
 _DTYPE_NAMES = {code: np.dtype(d).name for d, code in _CODES.items()}
 
 
-class _Wildcard:
+class Wildcard:
     """``ANY_SOURCE`` / ``ANY_TAG``: distinct objects, so that a negative number is an error, not a wildcard."""
 
     __slots__ = ("name", "mpi")
@@ -50,8 +51,8 @@ class _Wildcard:
         return f"mpcomm.{self.name}"
 
 
-ANY_SOURCE = _Wildcard("ANY_SOURCE", MPI.ANY_SOURCE)
-ANY_TAG = _Wildcard("ANY_TAG", MPI.ANY_TAG)
+ANY_SOURCE = Wildcard("ANY_SOURCE", MPI.ANY_SOURCE)
+ANY_TAG = Wildcard("ANY_TAG", MPI.ANY_TAG)
 
 
 @dataclass
@@ -95,8 +96,8 @@ class Channels:
     def progress(self) -> None:
         """Open the receives whose envelopes have arrived (another thread doing it already is enough).
 
-        Every wait calls this on every poll, so it asks MPI once (``Testsome``) however many receives are posted:
-        16 posted receives cost 1.2 us a call instead of 6.3 with a Test each.
+        Every wait calls this on every poll, so it asks MPI once (``Testsome``) however many receives are posted,
+        not once per receive (bench/results/observations.md, "One Testsome for all posted receives").
         """
         if not self._unopened or not self._lock.acquire(False):
             return
@@ -246,7 +247,7 @@ def recv(channels: Channels, buf, src, tag, status: Status | None, payload_trans
     _check_writeable(buf, flags)
     code = _CODES.get(dtype) or _code(dtype, "recv")
     envelopes = channels.envelopes
-    # A fresh envelope each time: one reused across receives measured 25 % slower at 4 KiB in some heap layouts.
+    # A fresh envelope each time: a reused one was slower in some heap layouts (bench/results/observations.md).
     envelope = bytearray(_ENVELOPE_BYTES)
     request = envelopes.mpi.Irecv(envelope, src, tag)
     # Everything the arrival is checked against and copied with is made before it arrives (off the latency path).
@@ -274,6 +275,7 @@ def recv(channels: Channels, buf, src, tag, status: Status | None, payload_trans
         return work.wait()
     target[:] = inline
     if status is not None:
+        assert matched is not None  # made where a status is asked for
         status.source, status.tag, status.count = matched.Get_source(), matched.Get_tag(), buf.size
     return buf
 
@@ -312,7 +314,7 @@ class RecvWork(Work):
         self._payload: MPI.Request | None = None
         self._target = None
         self._done = False
-        self._error: ValueError | None = None
+        self._error: Exception | None = None
         self.source: int | None = None
         self.tag: int | None = None
 

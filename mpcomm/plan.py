@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -24,9 +25,10 @@ class Plan:
     __slots__ = ("operation", "algorithm", "fn", "rop", "nbytes", "wire", "direct", "key", "label", "signature",
                  "_digest")
 
-    def __init__(self, operation: str, algorithm: str, array, rop: ReduceOp | None, root: int | None, nbytes: int,
+    def __init__(self, operation: str, algorithm: str, array: Any, rop: ReduceOp | None, root: int | None, nbytes: int,
                  host: bool, wire: np.dtype):
-        self.operation, self.algorithm, self.rop, self.nbytes, self.wire = operation, algorithm, rop, nbytes, wire
+        self.operation, self.algorithm, self.rop, self.nbytes = operation, algorithm, rop, nbytes
+        self.wire: np.dtype | None = wire  # None: a bare plan (no buffer)
         self.direct = host and wire == array.dtype  # the buffer itself is the work array (no conversion)
         if array.size == 0 and operation != "all_to_all_v":  # nothing to move (all_to_all_v: others may send)
             self.fn = _nothing
@@ -37,10 +39,10 @@ class Plan:
             self.fn = lambda t, *args: staging.run(t, operation, algorithm, fn, *args)
         self.key = (operation, algorithm)
         shape = None if operation == "all_to_all_v" else list(array.shape)  # v: sizes differ, counts are checked
-        self.signature = {"operation": operation, "dtype": dtype_name(array.dtype), "shape": shape,
+        self.signature: dict[str, Any] = {"operation": operation, "dtype": dtype_name(array.dtype), "shape": shape,
                           "op": None if rop is None else rop.name, "algorithm": algorithm, "root": root}
-        self.label = _Label(self)
-        self._digest = None
+        self.label: _Label | str = _Label(self)
+        self._digest: np.ndarray | None = None
 
     @classmethod
     def barrier(cls) -> "Plan":
@@ -72,7 +74,7 @@ class Plan:
         plan.signature, plan.label, plan._digest = signature, operation, None
         return plan
 
-    def running(self, fn) -> "Plan":
+    def running(self, fn: Callable[..., Any]) -> "Plan":
         """This plan with ``fn(transport, *buffers)`` in place of its algorithm (e.g. the torch backend's C++ form
         of the same ``native`` all-reduce): same operation, stats key, label and signature."""
         plan = copy.copy(self)

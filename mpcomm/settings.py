@@ -11,6 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import Callable, TypeVar
 
 import numpy as np
 
@@ -23,6 +24,7 @@ MIN_TIMEOUT = 1e-3
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 PROGRESS_MODES = ("thread", "wait")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,8 @@ class Settings:
             network_probe=(_env("MPCOMM_NETWORK_PROBE") or "1").lower() not in _FALSE,
             staging_chunk=_staging_chunk(),
             cuda_aware=(_env("MPCOMM_CUDA_AWARE") or "").lower(),
-            trace_buffer=_env_int("MPCOMM_TRACE_BUFFER", "calls the flight recorder keeps, 0: off", minimum=0,
-                                  default=DEFAULT_TRACE_BUFFER),
+            trace_buffer=_env_count("MPCOMM_TRACE_BUFFER", "calls the flight recorder keeps, 0: off",
+                                    DEFAULT_TRACE_BUFFER),
         )
 
 
@@ -119,13 +121,10 @@ def _env(name: str) -> str | None:
 
 
 def _env_timeout() -> float:
-    value = _env("MPCOMM_TIMEOUT")
-    if not value:
+    parsed = _env_parsed("MPCOMM_TIMEOUT", float, "a finite number of seconds > 0")
+    if parsed is None:
         return DEFAULT_TIMEOUT
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"MPCOMM_TIMEOUT={value!r}: expected a finite number of seconds > 0") from None
+    value, number = parsed
     try:
         return _timeout(number, "MPCOMM_TIMEOUT")
     except ConfigError as exc:
@@ -142,21 +141,36 @@ def _env_flag(name: str) -> bool:
 
 
 def _env_positive_int(name: str, what: str) -> int | None:
-    return _env_int(name, what, minimum=1, default=None)
+    return _env_int(name, what, minimum=1)
 
 
-def _env_int(name: str, what: str, minimum: int, default: int | None) -> int | None:
-    """The int in the variable ``name`` (``default`` when unset or empty), ConfigError below ``minimum``."""
-    value = _env(name)
-    if not value:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r}: expected an int >= {minimum} ({what})") from None
+def _env_count(name: str, what: str, default: int) -> int:
+    """The int >= 0 in variable ``name``, ``default`` where it is unset or empty."""
+    number = _env_int(name, what, minimum=0)
+    return default if number is None else number
+
+
+def _env_int(name: str, what: str, minimum: int) -> int | None:
+    """The int in variable ``name`` (None where it is unset or empty); ConfigError below ``minimum``."""
+    parsed = _env_parsed(name, int, f"an int >= {minimum} ({what})")
+    if parsed is None:
+        return None
+    value, number = parsed
     if number < minimum:
         raise ConfigError(f"{name}={value!r}: {what} must be >= {minimum}, got {number}")
     return number
+
+
+def _env_parsed(name: str, parse: Callable[[str], T], expected: str) -> tuple[str, T] | None:
+    """``(text, parse(text))`` of variable ``name``; None where it is unset or empty; ConfigError naming the
+    variable where it does not parse."""
+    value = _env(name)
+    if not value:
+        return None
+    try:
+        return value, parse(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected {expected}") from None
 
 
 def _staging_chunk() -> int:

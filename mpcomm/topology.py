@@ -19,7 +19,7 @@ The slowest pair decides (a collective is as slow as its slowest link); the numb
 MAX all-reduce over the whole communicator, so every rank holds identical values and builds the same model.
 Hosts are told apart by processor name (one all-gather). Every wait is bounded by the communicator's deadline
 (``Transport.wait``) and no communicator is created: a node that never answers is a ``CommTimeoutError``, not a
-hang. At 1 Gb/s the probe takes ~10 ms on a quiet machine; on a single host nothing is measured.
+hang. The probe takes milliseconds at 1 Gb/s (bench/results/cluster.md); on a single host nothing is measured.
 """
 from __future__ import annotations
 

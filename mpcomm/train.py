@@ -108,6 +108,8 @@ class Recompute(Module):
     ``state_dict`` keys are unchanged.  (Deterministic blocks only: a Dropout inside would draw a new mask.)
     """
 
+    inner: Module  # set through object.__setattr__: it is not a registered child
+
     def __init__(self, inner: Module):
         super().__init__()
         object.__setattr__(self, "inner", inner)

@@ -11,29 +11,34 @@ import pickle
 import threading
 import time
 from functools import partial
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
+from .buffers import array_module, is_device_array
 from .errors import CommTimeoutError, MpcommError
+
+if TYPE_CHECKING:
+    from .trace.recorder import GroupTrace
+
+T = TypeVar("T")
 
 # Spins of Testall before each poll also yields the core: ranks are often oversubscribed on small machines.
 _SPINS_BEFORE_YIELD = 32
 # Bare Tests of a single request before the bounded poll (wait_one): a small collective often completes within
 # them, and they cost only MPI's own Test (no deadline, no progress hook). Few: they do not yield the core, and
-# with more ranks than cores (64 of them measured 73 vs 62 us per 8 B all-reduce at p = 4 on 2 cores) that costs.
+# with more ranks than cores that costs (bench/results/observations.md, "Waiting with more ranks than cores").
 _QUICK_TESTS = 8
 # With more ranks than cores (Transport.share_cores) a waiting rank yields sooner: the peer it waits for may need
-# its core (8 B all-reduce at p = 4 on 2 cores: 35-38 us instead of 44-46; 4 KiB: 74 instead of 86-91).
+# its core (bench/results/observations.md, "Waiting with more ranks than cores").
 _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS = 8, 2
 # A wait in a thread other than the main one (a progress thread, a backend's worker) sleeps between polls once
 # it has lasted _SPIN_SECONDS, for _SLEEP_SHARE of the time waited so far (at most _MAX_SLEEP): the main thread
 # computes meanwhile, and a spinning background thread would take its core (and the GIL) for as long as the
 # wire is busy. Waking late by a few percent of a wait that long is what it costs.
 # Not while another thread waits for its result (Transport.waiters): then nobody computes, and where MPI moves a
-# message only during its calls (MPICH without CMA) each sleep held the copy up: a 4 MiB iallreduce + wait at
-# p = 2 took 1.48-1.54x the blocking all-reduce, 1.07-1.13x without (bench/results/progress_wait.md).
+# message only during its calls (MPICH without CMA) each sleep held the copy up (bench/results/progress_wait.md).
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
 _BYTES = MPI.BYTE
 COMMUNICATORS_HELD = 4  # MPI communicators each Communicator makes (see Communicator.__init__)
@@ -51,7 +56,7 @@ class Transport:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.timeout = float(timeout)
-        self.operation = "communication"
+        self.operation: object = "communication"  # a str, or what str() names it by (formatted on an error)
         self._ranks_per_node = ranks_per_node
         self._scratch: dict = {}
         self._node: Transport | None = None
@@ -64,8 +69,8 @@ class Transport:
         # and algorithm). One table per transport, so the thread that runs its collectives is the only writer.
         self.records: dict = {}
         # Called while this transport waits: progress of point-to-point receives (see ``mpcomm.p2p.Channels``).
-        self.progress_hook = None
-        self.trace = None  # the flight recorder's lane of the collectives run here (mpcomm.trace.GroupTrace)
+        self.progress_hook: Callable[[], None] | None = None
+        self.trace: GroupTrace | None = None  # the flight recorder's lane of the collectives run here
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
         self.spins_before_yield, self.quick_tests = _SPINS_BEFORE_YIELD, _QUICK_TESTS
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
@@ -77,7 +82,7 @@ class Transport:
         self.spins_before_yield, self.quick_tests = _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS
 
     # ------------------------------------------------------------------ context for error messages
-    def running(self, operation: str) -> "_Running":
+    def running(self, operation: object) -> "_Running":
         """Name the operation in progress (a ``with`` block), so that errors raised underneath can say what ran."""
         return _Running(self, operation)
 
@@ -91,10 +96,10 @@ class Transport:
         """A reusable 1-D scratch array of ``count`` elements; ``slot`` names independent buffers."""
         dtype = np.dtype(dtype)
         nbytes = count * dtype.itemsize
-        key = slot if like is None or type(like) is np.ndarray else (slot, type(like).__module__.split(".")[0])
+        key = slot if like is None or type(like) is np.ndarray or not is_device_array(like) else (slot, "device")
         buf = self._scratch.get(key)
         if buf is None or buf.nbytes < nbytes:
-            buf = _array_module(like).empty(max(nbytes, 64), dtype=np.uint8)
+            buf = array_module(like).empty(max(nbytes, 64), dtype=np.uint8)
             self._scratch[key] = buf
         return buf[:nbytes].view(dtype)
 
@@ -217,16 +222,12 @@ class Transport:
     @property
     def node(self) -> "Transport":
         """Transport among the ranks of this node (collective on first use)."""
-        if self._node is None:
-            self._split_topology()
-        return self._node
+        return self._node if self._node is not None else self._split_topology()[0]
 
     @property
     def cross(self) -> "Transport":
         """Transport among the ranks with this rank's node-local index, one per node (collective on first use)."""
-        if self._cross is None:
-            self._split_topology()
-        return self._cross
+        return self._cross if self._cross is not None else self._split_topology()[1]
 
     @property
     def nodes_are_uniform(self) -> bool:
@@ -238,7 +239,7 @@ class Transport:
             self._uniform = bool(extremes[0] == -extremes[1])
         return self._uniform
 
-    def _split_topology(self) -> None:
+    def _split_topology(self) -> tuple["Transport", "Transport"]:
         # Comm_split has no non-blocking form: meet first with a deadline, so a missing rank is a CommTimeoutError
         # here rather than a hang inside the split.
         self.wait([self.mpi.Ibarrier()], self.others)
@@ -250,6 +251,7 @@ class Transport:
             sub.progress_hook = self.progress_hook
             sub.spins_before_yield, sub.quick_tests = self.spins_before_yield, self.quick_tests
             sub.waiters = self.waiters
+        return self._node, self._cross
 
     def scratch_bytes(self) -> int:
         """The bytes of the scratch buffers kept for reuse, those of the node and cross parts included."""
@@ -275,8 +277,8 @@ class Transport:
     # ------------------------------------------------------------------ internals
     def _wire(self, buf) -> list:
         """The message of ``buf``'s bytes, the form every message takes on the wire (any dtype; mpi4py reads
-        bfloat16 through DLPack). A list, not a ``uint8`` view: the view cost 0.9 us of a 3 us 8-byte send and
-        receive warm, and 10 us of a 17 us ``Isend`` right after a stage's matmuls."""
+        bfloat16 through DLPack). A list, not a ``uint8`` view: making the view was a large share of a small message's
+        cost (bench/results/observations.md, "Messages as a list, not a view")."""
         return [buf, _BYTES]
 
     def _poll(self, test, requests, peers, timeout: float, operation=None) -> None:
@@ -304,7 +306,7 @@ class Transport:
                 for request in requests:
                     cancel(request)
                 self.failed = True
-                raise CommTimeoutError(operation or self.operation, peers, now - start, timeout, self.rank,
+                raise CommTimeoutError(str(operation or self.operation), peers, now - start, timeout, self.rank,
                                        self.on_timeout)
 
 
@@ -367,7 +369,7 @@ class _Running:
 
     __slots__ = ("transport", "operation", "previous")
 
-    def __init__(self, transport: Transport, operation: str):
+    def __init__(self, transport: Transport, operation: object):
         self.transport, self.operation = transport, operation
 
     def __enter__(self) -> Transport:
@@ -385,7 +387,7 @@ def _error_text(code: int) -> str:
     return f"{head} ({lines[-1]})" if len(lines) > 1 else head
 
 
-def created(make: Callable[[], MPI.Comm], what: str, rank: int) -> MPI.Comm:
+def created(make: Callable[[], T], what: str, rank: int) -> T:
     """``make()`` (an MPI call that creates a communicator); an MpcommError saying what ran out if MPI cannot."""
     try:
         return make()
@@ -424,11 +426,3 @@ def split_node(mpi_comm: MPI.Comm, ranks_per_node: int | None) -> MPI.Comm:
         rank = mpi_comm.Get_rank()
         return mpi_comm.Split(rank // int(ranks_per_node), rank)
     return mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=mpi_comm.Get_rank())
-
-
-def _array_module(like):
-    if like is not None and type(like).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np

@@ -11,7 +11,7 @@ import warnings
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable, ContextManager, Sequence
 
 from mpi4py import MPI
 
@@ -32,12 +32,13 @@ class Work(ABC):
         """True once the operation is done; never blocks."""
 
 
-def wait_timeout(timeout, operation: str = "wait") -> float | None:
+def wait_timeout(timeout: Any, operation: str = "wait") -> float | None:
     """``timeout`` of a ``wait()``: None (the communicator's own timeout bounds it) or a number of seconds >= 0;
     anything else (NaN, negative, not a number) is a ValueError, never a wait that no deadline ends."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0 or math.isinf(timeout):
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not float(timeout) >= 0
+            or math.isinf(timeout)):
         raise ValueError(f"{operation}: timeout must be None or a finite number of seconds >= 0, got {timeout!r}")
     return min(float(timeout), threading.TIMEOUT_MAX)  # (longer than any run: the operation's own deadline ends it)
 
@@ -53,7 +54,7 @@ STILL_PENDING = ("the operation is still pending (MPCOMM_PROGRESS=wait: it runs 
 class FutureWork(Work):
     """A collective running on the communicator's progress thread."""
 
-    def __init__(self, future: Future, operation: str, peers, rank: int, waiters):
+    def __init__(self, future: Future, operation: str, peers: Sequence[int], rank: int, waiters: ContextManager[Any]):
         self._future, self._operation, self._peers, self._rank = future, operation, tuple(peers), rank
         self._waiters = waiters  # the progress thread's transport.Waiters: counts this thread while it waits
         self._start = time.monotonic()
@@ -67,6 +68,7 @@ class FutureWork(Work):
             if self._future.done():  # the operation itself raised (CommTimeoutError is a TimeoutError too)
                 raise
             elapsed = time.monotonic() - self._start
+            assert timeout is not None  # result(None) does not time out
             raise CommTimeoutError(self._operation, self._peers, elapsed, timeout, self._rank,
                                    consequence=STILL_RUNNING) from None
 
@@ -104,7 +106,7 @@ class InlineProgress:
     def __init__(self):
         self._queue: list[DeferredWork] = []
 
-    def submit(self, body, transport, operation: str = "collective") -> "DeferredWork":
+    def submit(self, body: Callable[[Any], Any], transport: Any, operation: str = "collective") -> "DeferredWork":
         work = DeferredWork(self, body, transport, operation)
         self._queue.append(work)
         return work
@@ -118,9 +120,11 @@ class InlineProgress:
 class DeferredWork(Work):
     """A collective queued for progress on wait; its errors are raised by ``wait()``."""
 
-    def __init__(self, progress: InlineProgress, body, transport, operation: str = "collective"):
+    def __init__(self, progress: InlineProgress, body: Callable[[Any], Any], transport: Any,
+                 operation: str = "collective"):
         self._progress, self._body, self._transport, self._operation = progress, body, transport, operation
-        self.done, self._result, self._error = False, None, None
+        self.done, self._result = False, None
+        self._error: Exception | None = None
 
     def run(self) -> None:
         try:

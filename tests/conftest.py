@@ -10,8 +10,9 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ml_dtypes
@@ -93,10 +94,31 @@ def mpiexec_path() -> str:
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="session")
-def comm() -> Communicator:
-    """The Communicator over MPI.COMM_WORLD shared by the multi-rank tests."""
-    return Communicator(WORLD)
+@pytest.fixture(scope="module")
+def comm(request: pytest.FixtureRequest) -> Iterator[Communicator]:
+    """The Communicator over MPI.COMM_WORLD shared by one test module's tests, freed after the module (a module
+    sets ``COMM_TIMEOUT`` for another timeout than the default)."""
+    c = Communicator(WORLD, timeout=getattr(request.module, "COMM_TIMEOUT", None))
+    yield c
+    c.free()
+
+
+@pytest.fixture
+def world_comm() -> Iterator[Communicator]:
+    """A Communicator over MPI.COMM_WORLD for one test alone (it may split it, build engines on it, or leave it
+    unusable), freed after the test."""
+    c = Communicator(WORLD)
+    yield c
+    c.free()
+
+
+@pytest.fixture
+def pg():
+    """The default torch process group on the mpcomm backend (rank and size from MPI, no MASTER_ADDR), destroyed
+    after the test; torch is imported only by the tests that ask for it."""
+    from torch_backend.groups import default_group_on_mpcomm
+
+    yield from default_group_on_mpcomm()
 
 
 # ------------------------------------------------------------------------------------------ keeping ranks in step
@@ -121,6 +143,25 @@ def in_step(fn: Callable[[], Any]) -> Any:
     box = []
     run_gathered(lambda: box.append(fn()))
     return box[0]
+
+
+def without_rank(silent: int, call: Callable[[], Any]) -> list[Any]:
+    """Collective: every rank but ``silent`` runs ``call``, which must give up waiting for the silent rank with a
+    CommTimeoutError. Per rank, in rank order: None for the silent rank; (the error's message, seconds it took); or
+    the string "completed without rank {silent}" where the call returned."""
+    from mpcomm import CommTimeoutError
+
+    def run():
+        if WORLD.Get_rank() == silent:
+            return None
+        start = time.monotonic()
+        try:
+            call()
+        except CommTimeoutError as exc:
+            return str(exc), time.monotonic() - start
+        return f"completed without rank {silent}"
+
+    return run_gathered(run)
 
 
 def gather(array) -> list[np.ndarray]:

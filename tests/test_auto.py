@@ -13,7 +13,15 @@ import tempfile
 
 import numpy as np
 import pytest
-from conftest import WORLD, assert_identical_across_ranks, assert_reduced, gather, in_step, make_input, run_gathered
+from conftest import (
+    WORLD,
+    assert_identical_across_ranks,
+    assert_reduced,
+    gather,
+    in_step,
+    make_input,
+    without_rank,
+)
 
 from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY, pipelined
@@ -179,23 +187,8 @@ def test_tuning_errors(comm, tmp_path):
 @pytest.mark.mpi(min_size=2)
 def test_load_tuning_with_a_silent_root_times_out(tmp_path):
     """Rank 0 never calls load_tuning: the others raise CommTimeoutError naming it, within timeout + 5 s."""
-    import time
-
-    from mpcomm import CommTimeoutError
-
     c = Communicator(WORLD, timeout=1.0)
-
-    def run():
-        if c.rank == 0:
-            return None
-        start = time.monotonic()
-        try:
-            c.load_tuning(_shared_path(tmp_path, "never-read.json"), missing_ok=True)
-        except CommTimeoutError as exc:
-            return str(exc), time.monotonic() - start
-        return "completed without rank 0"
-
-    everyone = run_gathered(run)
+    everyone = without_rank(0, lambda: c.load_tuning(_shared_path(tmp_path, "never-read.json"), missing_ok=True))
     for result in everyone[1:]:
         assert result != "completed without rank 0"
         message, wall = result

@@ -10,7 +10,6 @@ import itertools
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import dtype_op_pairs
+from conftest import dtype_op_pairs, mpiexec_path, serial_only
 from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY
 from mpcomm.bench import COLLECTIVES, busbw_factor, run
@@ -443,11 +442,7 @@ def test_bad_flags_give_clear_errors(argv, message, capsys):
 
 
 # ---------------------------------------------------------------- the command lines (subprocesses)
-def _under_mpiexec() -> bool:
-    return MPI.COMM_WORLD.Get_size() > 1 or any(k.startswith(("PMI_", "OMPI_", "HYDRA_")) for k in os.environ)
-
-
-@pytest.mark.skipif(_under_mpiexec(), reason="launches its own processes; run it in the serial pytest pass")
+@serial_only
 def test_cli_runs_with_one_process_without_mpiexec(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, "-m", "mpcomm.bench", "--op", "reduce_scatter", "-e", "1K", "-n", "2",
@@ -457,26 +452,19 @@ def test_cli_runs_with_one_process_without_mpiexec(tmp_path):
     assert all(r["wrong"] == 0 for r in json.loads(out.read_text()))
 
 
-def _mpiexec() -> str:
-    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("no mpiexec")
-    return found
-
-
-@pytest.mark.skipif(_under_mpiexec(), reason="launches mpiexec itself; run it in the serial pytest pass")
+@serial_only
 def test_bench_trust_script_runs():
     """bench/bench_trust.py (default timing vs a long loop, measured by hand) runs and reports its ratio."""
     script = Path(__file__).resolve().parent.parent / "bench" / "bench_trust.py"
-    proc = subprocess.run([_mpiexec(), "-n", "2", sys.executable, str(script), "--repeat", "1", "--calls", "50"],
+    proc = subprocess.run([mpiexec_path(), "-n", "2", sys.executable, str(script), "--repeat", "1", "--calls", "50"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "driver native / 50-call loop: median" in proc.stdout, proc.stdout
 
 
-@pytest.mark.skipif(_under_mpiexec(), reason="launches mpiexec itself; run it in the serial pytest pass")
+@serial_only
 def test_run_main_aborts_the_job_when_one_rank_raises(tmp_path):
-    mpiexec = _mpiexec()
+    mpiexec = mpiexec_path()
     script = tmp_path / "fails.py"
     script.write_text(textwrap.dedent("""
         from mpi4py import MPI
@@ -495,12 +483,12 @@ def test_run_main_aborts_the_job_when_one_rank_raises(tmp_path):
     assert "boom on rank one" in proc.stderr and "rank 1 of 2" in proc.stderr
 
 
-@pytest.mark.skipif(_under_mpiexec(), reason="launches mpiexec itself; run it in the serial pytest pass")
+@serial_only
 def test_alltoall_sweep_script_at_toy_sizes(tmp_path):
     """bench/alltoall_sweep.sh (the timed sweep behind the all-to-all figures) runs end to end at toy sizes and
     writes per size every algorithm's time, auto's choice and its ratio to the best (auto_vs_best.py --times)."""
     script = Path(__file__).resolve().parent.parent / "bench" / "alltoall_sweep.sh"
-    env = dict(os.environ, OUT=str(tmp_path), MAXBYTES="64", RANKS="2", PYTHON=sys.executable, MPIEXEC=_mpiexec())
+    env = dict(os.environ, OUT=str(tmp_path), MAXBYTES="64", RANKS="2", PYTHON=sys.executable, MPIEXEC=mpiexec_path())
     proc = subprocess.run([str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads((tmp_path / "alltoall_p2.json").read_text())

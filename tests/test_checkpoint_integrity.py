@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpcomm import Communicator
 from mpcomm.nn import Adam, TransformerMLPBlock, mse_loss
 from mpcomm.parallel.fsdp import FullyShardedDataParallel
 from mpcomm.workload import Workload
@@ -28,17 +27,10 @@ from mpcomm.workload import Workload
 WORLD = MPI.COMM_WORLD
 WL = Workload(num_layers=3, d_model=8, d_hidden=12, global_batch=12, seed=3)
 POLICY = {TransformerMLPBlock}
-TIMEOUT = 30.0  # a rank left waiting raises CommTimeoutError after this (the tests reject it); ample under load
+COMM_TIMEOUT = 30.0  # conftest's comm fixture: a rank left waiting raises CommTimeoutError after this (the tests reject it)
 
 
 # ---------------------------------------------------------------------------------------- helpers
-@pytest.fixture
-def comm():
-    c = Communicator(WORLD, timeout=TIMEOUT)
-    yield c
-    c.free()
-
-
 @pytest.fixture
 def saved(comm):
     """A trained engine with its Adam optimizer, saved to a fresh shared directory: (engine, optimizer, path)."""

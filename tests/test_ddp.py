@@ -17,17 +17,7 @@ from mpcomm.parallel.ddp import (Bucket, DistributedDataParallel, UnusedParamete
 from mpcomm.workload import Workload
 
 TINY_MB = 600 / 2**20  # ~600 bytes: one or two parameters per bucket
-
-
-@pytest.fixture(scope="module")
-def comm():
-    from mpi4py import MPI
-
-    from mpcomm import Communicator
-    c = Communicator(MPI.COMM_WORLD, timeout=60)
-    yield c
-    c.free()
-
+COMM_TIMEOUT = 60  # seconds, for conftest's comm fixture: DDP's steps on a loaded machine
 
 def workload(dtype="float64", batch=24):
     return Workload(num_layers=3, d_model=8, d_hidden=16, global_batch=batch, seed=3, dtype=dtype)

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import WORLD, run_gathered
+from conftest import WORLD, run_gathered, without_rank
 
 from mpcomm import CollectiveMismatchError, CommTimeoutError, Communicator, MpcommError
 
@@ -276,18 +276,7 @@ def test_env_timeout_bounds_a_recv(monkeypatch):
     monkeypatch.setenv("MPCOMM_TIMEOUT", "1.0")
     c = Communicator(WORLD)
     explicit = Communicator(WORLD, timeout=12.5)
-
-    def run():
-        if c.rank == 0:
-            return None
-        start = time.monotonic()
-        try:
-            c.recv(np.zeros(4), 0, tag=5)
-        except CommTimeoutError as exc:
-            return str(exc), time.monotonic() - start
-        return "received a message nobody sent"
-
-    everyone = run_gathered(run)
+    everyone = without_rank(0, lambda: c.recv(np.zeros(4), 0, tag=5))
     explicit.free()
     assert c.timeout == 1.0 and explicit.timeout == 12.5
     for result in everyone[1:]:

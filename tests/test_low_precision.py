@@ -1,7 +1,7 @@
 """Reductions off float32 ``sum``'s path against numpy on the gathered inputs, at sizes up to 2^20 + 3: float16 and
 bfloat16 (16-bit on the wire in ``direct``, accumulated in float32 and rounded once by the compiled kernel), and
 float min/max through ``native`` (integer keys). Every other (algorithm, dtype, op) at small sizes, and the NaN /
-signed-zero / rounding rules, are test_collectives.py's and test_reliability.py's (they iterate the registry).
+signed-zero / rounding rules, are test_collectives.py's and test_nan.py's (they iterate the registry).
 
 Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test_low_precision.py`` (N = 1..4).
 """

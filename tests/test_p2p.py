@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from conftest import BFLOAT16, WORLD, make_input, run_gathered
 
+import mpcomm
 from mpcomm import CommTimeoutError, Communicator
 
 pytestmark = pytest.mark.mpi
+P = WORLD.Get_size()
 LARGE = 2**16 + 3  # above MPICH's eager limit: the rendezvous path
 
 
@@ -308,3 +310,32 @@ def test_mismatched_receive_leaves_the_buffer_untouched(comm, case, swap):
     for r, (raised, changed, size) in enumerate(everyone):
         assert raised, f"rank {r}: the mismatched receive did not raise"
         assert changed == 0, f"rank {r}: the failed receive overwrote {changed} of the {size} elements of its buffer"
+
+
+BAD_P2P = {  # name -> (call on comm c, words)
+    "send-negative-tag": (lambda c: c.send(np.ones(2), 0, tag=-1), "tag -1"),
+    "send-huge-tag": (lambda c: c.send(np.ones(2), 0, tag=2**31), "tag 2147483648"),
+    "send-fractional-tag": (lambda c: c.isend(np.ones(2), 0, tag=1.5), "tag 1.5"),
+    "recv-minus-one-tag": (lambda c: c.irecv(np.ones(2), 0, tag=-1), "mpcomm.ANY_TAG"),
+    "recv-bool-source": (lambda c: c.irecv(np.ones(2), True), "True"),
+    "send-to-any-source": (lambda c: c.isend(np.ones(2), mpcomm.ANY_SOURCE), "ANY_SOURCE"),
+    "broadcast-root-true": (lambda c: c.broadcast(np.ones(2), root=True), "root True"),
+    "reduce-root-true": (lambda c: c.reduce(np.ones(2), np.ones(2), root=True), "root True"),
+    "gather-root-true": (lambda c: c.gather(np.ones(2), np.ones(2 * P), root=True), "root True"),
+    "scatter-root-true": (lambda c: c.scatter(np.ones(2 * P), np.ones(2), root=np.True_), "root np.True_"),
+    "broadcast-root-float": (lambda c: c.broadcast(np.ones(2), root=0.0), "root 0.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_P2P))
+def test_bad_tags_and_ranks_are_value_errors(comm, case):
+    """(A bad root makes the Communicator unusable on that rank, see tests/test_edges.py: a fresh one for those.)"""
+    call, words = BAD_P2P[case]
+    c = Communicator(WORLD, timeout=10.0) if "root" in case else comm
+    try:
+        with pytest.raises(ValueError) as info:
+            call(c)
+    finally:
+        if c is not comm:
+            c.free()
+    assert words in str(info.value), info.value

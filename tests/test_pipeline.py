@@ -30,11 +30,6 @@ def self_comm():
     return Communicator(MPI.COMM_SELF)
 
 
-def world():
-    from mpcomm import Communicator
-    return Communicator()
-
-
 def workload_for(pp, v, dp=1, mb_rows=2):
     m = 2 * pp
     return Workload(num_layers=2 * pp * v, d_model=12, d_hidden=24, global_batch=dp * m * mb_rows, seed=3), m
@@ -107,9 +102,9 @@ def test_single_rank_micro_batches_and_local_virtual_stages_match_reference(sche
 @pytest.mark.mpi
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "mpi"])
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
-def test_pipeline_matches_single_process(schedule, v, shared_memory):
+def test_pipeline_matches_single_process(schedule, v, shared_memory, world_comm):
     """Hand-offs through the node's shared memory (the default on one host) or as MPI messages alike."""
-    comm = world()
+    comm = world_comm
     pp = comm.size
     wl, m = workload_for(pp, v)
     pipe = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v, shared_memory=shared_memory)
@@ -125,8 +120,8 @@ def test_pipeline_matches_single_process(schedule, v, shared_memory):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
-def test_recompute_gives_identical_results(schedule, v):
-    comm = world()
+def test_recompute_gives_identical_results(schedule, v, world_comm):
+    comm = world_comm
     wl, m = workload_for(comm.size, v)
     plain = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v)
     redo = PipelineParallel(wl.model(), comm, m, schedule=schedule, virtual_stages=v, recompute=True)
@@ -138,8 +133,8 @@ def test_recompute_gives_identical_results(schedule, v):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "mpi"])
-def test_adam_and_small_receive_window_match_reference(shared_memory):
-    comm = world()
+def test_adam_and_small_receive_window_match_reference(shared_memory, world_comm):
+    comm = world_comm
     wl, m = workload_for(comm.size, 1)
     pipe = PipelineParallel(wl.model(), comm, m, schedule="1f1b", max_posted_recvs=1, shared_memory=shared_memory)
     losses = train_pipeline(pipe, wl, 3, "adam", 0.01)
@@ -148,11 +143,11 @@ def test_adam_and_small_receive_window_match_reference(shared_memory):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
-def test_testing_each_send_after_it_changes_nothing_but_time(schedule, v):
+def test_testing_each_send_after_it_changes_nothing_but_time(schedule, v, world_comm):
     """spin_after_send (test each send for a while after it, for MPI libraries that move a message only while its
     sender calls them) trains exactly as not testing does, and as the setting measured at the first step ('auto'),
     which every rank agrees on. (MPI's hand-offs: through shared memory nothing is tested.)"""
-    comm = world()
+    comm = world_comm
     wl, m = workload_for(comm.size, v)
     runs = {}
     for setting in (0, 1e-3, "auto"):
@@ -202,9 +197,9 @@ def test_a_library_that_moves_hand_offs_only_with_the_senders_calls_is_measured_
 
 
 @pytest.mark.mpi
-def test_shape_changing_stages_balanced_by_params():
+def test_shape_changing_stages_balanced_by_params(world_comm):
     """Stages whose activations change width (shapes inferred by the handshake), split by parameter count."""
-    comm = world()
+    comm = world_comm
     pp = comm.size
     sizes = [6, 9, 15, 7, 12, 8, 5, 10, 6][: 2 * pp + 1]
     model_fn = lambda: mlp(sizes, activation="gelu", seed=4)  # noqa: E731
@@ -231,8 +226,8 @@ def test_shape_changing_stages_balanced_by_params():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_interleaved_with_fewer_micro_batches_than_stages_is_rejected():
-    comm = world()
+def test_interleaved_with_fewer_micro_batches_than_stages_is_rejected(world_comm):
+    comm = world_comm
     wl = Workload(num_layers=4 * comm.size, d_model=12, d_hidden=24, global_batch=8)
     with pytest.raises(ConfigError, match="num_micro_batches >= pp"):
         PipelineParallel(wl.model(), comm, comm.size - 1, schedule="interleaved-1f1b", virtual_stages=2)
@@ -326,12 +321,12 @@ def test_a_hand_off_of_another_shape_through_shared_memory_raises_on_both_sides_
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_node_whose_shared_memory_is_short_hands_off_by_mpi(monkeypatch):
+def test_a_node_whose_shared_memory_is_short_hands_off_by_mpi(monkeypatch, world_comm):
     """Where /dev/shm (MPICH maps a shared window there; a write past its end is a SIGBUS) has less than twice
     the node's window free — here as one rank sees it — the whole node hands off by MPI, and trains alike."""
     from mpcomm.parallel import shared_handoff
 
-    comm = world()
+    comm = world_comm
     if comm.rank == 0:
         monkeypatch.setattr(shared_handoff, "_free_shared_memory", lambda: 64)
     wl, m = workload_for(comm.size, 1)
@@ -344,11 +339,11 @@ def test_a_node_whose_shared_memory_is_short_hands_off_by_mpi(monkeypatch):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("hold_a_received_array", [False, True])
 def test_reset_shapes_gives_new_shapes_a_new_window_and_unmaps_the_old_one_only_when_nothing_is_on_it(
-        hold_a_received_array):
+        hold_a_received_array, world_comm):
     """After reset_shapes() a new micro-batch shape trains like one process (a pipeline of one rank, no
     hand-offs) on the same batches; the old window is freed at that step, unless an array on it is still held
     somewhere (here: by the test), which must stay readable."""
-    comm = world()
+    comm = world_comm
     wl, m = workload_for(comm.size, 1)
     x, y = wl.batch(0)
     batches = [(x, y), (np.vstack([x, x[:m]]), np.vstack([y, y[:m]]))]  # then one more row per micro-batch

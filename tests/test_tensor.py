@@ -25,11 +25,6 @@ class FakeGroup:
         raise AssertionError("no communication expected")
 
 
-def world():
-    from mpcomm import Communicator
-    return Communicator()
-
-
 def tp_groups(comm):
     """(tp size, tp communicator) for every tp size dividing the world; groups of consecutive ranks."""
     out = []
@@ -85,8 +80,8 @@ def test_single_rank_tp_layers_equal_full_layers():
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("gather_output", [False, True])
-def test_column_parallel_linear_matches_full(gather_output):
-    comm = world()
+def test_column_parallel_linear_matches_full(gather_output, world_comm):
+    comm = world_comm
     rng = np.random.default_rng(7)
     x = rng.standard_normal((6, D_MODEL))
     full = Linear(D_MODEL, D_HIDDEN, seed=11)
@@ -110,8 +105,8 @@ def test_column_parallel_linear_matches_full(gather_output):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("input_is_parallel", [True, False])
-def test_row_parallel_linear_matches_full(input_is_parallel):
-    comm = world()
+def test_row_parallel_linear_matches_full(input_is_parallel, world_comm):
+    comm = world_comm
     rng = np.random.default_rng(8)
     x = rng.standard_normal((6, D_HIDDEN))
     full = Linear(D_HIDDEN, D_MODEL, seed=12)
@@ -135,8 +130,8 @@ def test_row_parallel_linear_matches_full(input_is_parallel):
 
 
 @pytest.mark.mpi
-def test_tensor_parallel_mlp_block_matches_full_and_replicated_grads_agree():
-    comm = world()
+def test_tensor_parallel_mlp_block_matches_full_and_replicated_grads_agree(world_comm):
+    comm = world_comm
     rng = np.random.default_rng(9)
     x = rng.standard_normal((2, 3, D_MODEL))  # leading dims are kept
     full = TransformerMLPBlock(D_MODEL, D_HIDDEN, seed=5)
@@ -171,8 +166,8 @@ def test_tensor_parallel_mlp_block_matches_full_and_replicated_grads_agree():
 
 
 @pytest.mark.mpi
-def test_tp_block_input_gradient_matches_finite_differences():
-    comm = world()
+def test_tp_block_input_gradient_matches_finite_differences(world_comm):
+    comm = world_comm
     rng = np.random.default_rng(10)
     full = TransformerMLPBlock(D_MODEL, D_HIDDEN, seed=6)
     x = rng.standard_normal((3, D_MODEL))
@@ -192,8 +187,8 @@ def test_tp_block_input_gradient_matches_finite_differences():
 
 
 @pytest.mark.mpi
-def test_vocab_parallel_embedding_matches_full():
-    comm = world()
+def test_vocab_parallel_embedding_matches_full(world_comm):
+    comm = world_comm
     vocab, dim = 24, 5
     full = Embedding(vocab, dim, seed=2)
     idx = np.random.default_rng(4).integers(0, vocab, size=(4, 7))
@@ -211,9 +206,9 @@ def test_vocab_parallel_embedding_matches_full():
 
 
 @pytest.mark.mpi
-def test_parallelize_mlp_blocks_keeps_names_and_outputs():
+def test_parallelize_mlp_blocks_keeps_names_and_outputs(world_comm):
     from mpcomm.nn import transformer_mlp_stack
-    comm = world()
+    comm = world_comm
     model = transformer_mlp_stack(3, D_MODEL, D_HIDDEN, seed=1)
     x = np.random.default_rng(3).standard_normal((4, D_MODEL))
     y = model(x)

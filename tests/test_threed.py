@@ -20,11 +20,6 @@ STEPS = 2
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]
 
 
-def world():
-    from mpcomm import Communicator
-    return Communicator()
-
-
 def layouts(n):
     """Every (dp, tp, pp) with dp*tp*pp == n."""
     return [(dp, tp, n // (dp * tp)) for dp in range(1, n + 1) for tp in range(1, n + 1) if n % (dp * tp) == 0]
@@ -44,8 +39,8 @@ def same_on_all_ranks(comm, values):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("schedule,v", SCHEDULES)
-def test_every_layout_matches_single_process(schedule, v):
-    comm = world()
+def test_every_layout_matches_single_process(schedule, v, world_comm):
+    comm = world_comm
     for dp, tp, pp in layouts(comm.size):
         wl = workload_for(dp, pp, v)
         engine = ThreeDParallel(comm, wl, dp=dp, tp=tp, pp=pp, num_micro_batches=2 * pp, schedule=schedule,
@@ -56,8 +51,8 @@ def test_every_layout_matches_single_process(schedule, v):
 
 
 @pytest.mark.mpi
-def test_recompute_and_adam_every_layout():
-    comm = world()
+def test_recompute_and_adam_every_layout(world_comm):
+    comm = world_comm
     for dp, tp, pp in layouts(comm.size):
         wl = workload_for(dp, pp, 1)
         runs = []
@@ -73,8 +68,8 @@ def test_recompute_and_adam_every_layout():
 
 
 @pytest.mark.mpi
-def test_train_model_parallel_entry_point(capsys):
-    comm = world()
+def test_train_model_parallel_entry_point(capsys, world_comm):
+    comm = world_comm
     dp, tp, pp = layouts(comm.size)[len(layouts(comm.size)) // 2]
     wl = workload_for(dp, pp, 1)
     args = SimpleNamespace(engine="3d", dp=dp, tp=tp, pp=pp, steps=3, seed=1, schedule="1f1b", micro_batches=None,
@@ -97,8 +92,8 @@ def test_train_model_parallel_entry_point(capsys):
 
 
 @pytest.mark.mpi
-def test_mesh_not_matching_world_and_other_bad_input():
-    comm = world()
+def test_mesh_not_matching_world_and_other_bad_input(world_comm):
+    comm = world_comm
     wl = workload_for(1, 1, 1)
     with pytest.raises(ConfigError, match=r"dp\*tp\*pp == world size"):
         ThreeDParallel(comm, wl, dp=comm.size + 1)

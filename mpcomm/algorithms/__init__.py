@@ -9,6 +9,8 @@ elsewhere; counts and displacements in elements):
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from . import bruck, direct, hierarchical, native, pairwise, pipelined, rhd, ring, tree
 
 ALLREDUCE = {
@@ -63,7 +65,7 @@ ALL_TO_ALL_V = {
 # get the buffer widened to float32 before they run and narrowed after).
 KEEP_LOW_PRECISION = frozenset({"direct"})
 
-REGISTRY = {
+REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
     "allreduce": ALLREDUCE,
     "reduce_scatter": REDUCE_SCATTER,
     "all_gather": ALL_GATHER,

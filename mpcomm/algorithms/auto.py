@@ -81,13 +81,14 @@ class CostModel:
     in the same round (flat recursive halving does this), they share the node's link, so that round costs
     ``q * m * beta_net``. ``alpha_py`` is one step of an mpcomm algorithm (Python loop + MPI call + numpy),
     ``alpha_native`` one step inside the MPI library. The pipelined ring sends each reduce-scatter step as
-    ``SEGMENT_BYTES`` segments, ``alpha_segment`` each (measured ~11 us here), and overlaps the reduction of
-    one with the transfer of the next: per step ``chunk * max(beta, gamma)`` plus one segment's smaller term.
+    ``SEGMENT_BYTES`` segments, ``alpha_segment`` each (measured: bench/results/observations.md), and overlaps
+    the reduction of one with the transfer of the next: per step ``chunk * max(beta, gamma)`` plus one segment's
+    smaller term.
 
     ``native_byte_scale`` multiplies the shared-memory per-byte terms of ``native`` (not its bytes on a network
     link, which go at the link's rate): the MPI library's Allreduce is modelled as rhd run in C, but MPICH's
-    shared-memory path moved 20-35 % fewer bytes per second than mpcomm's ring/rhd from 512 KiB to 8 MiB in four
-    sweeps of ``bench/sweep.sh`` (p = 2; 3-4x fewer at 32-64 MiB), so without it the model kept ``native`` past
+    shared-memory path moved fewer bytes per second than mpcomm's ring/rhd from 512 KiB up in the sweeps of
+    ``bench/sweep.sh`` (bench/results/README.md), so without it the model kept ``native`` past
     the measured crossover (between 128 and 512 KiB at p = 2, 512 KiB and 2 MiB at p = 4 on 2 cores). These
     defaults are MPICH's; another library's profile replaces them (``mpcomm.mpi_library``: Open MPI's blocking
     all-reduce, which ``native`` makes there for large messages, moves bytes faster than mpcomm's algorithms).
@@ -112,16 +113,16 @@ class CostModel:
     native_byte_scale: float = 1.5
     overlap: bool = True
     # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
-    # buffer, measured with numpy 2.4 / ml_dtypes 0.6 on the development host (2 MiB+ buffers): float16 and
-    # bfloat16 widened to float32 and narrowed back, numpy's casts (float16 ~4x bfloat16: no F16C loops);
+    # buffer (bench/results/observations.md, "numpy's casts of 16-bit floats"): float16 and bfloat16 widened to
+    # float32 and narrowed back, numpy's casts (float16's are slower: no F16C loops);
     # one read-modify-write pass (avg's division, one way of native's float keys); direct's compiled float32
     # reduction of 16-bit parts, per byte read. (native's NaN check after a float sum is in native_byte_scale.)
     widen_bytes: tuple = (("float16", 2.0e-9), ("bfloat16", 0.45e-9))
     pass_byte: float = 40e-12
     kernel16_byte: float = 65e-12
     # MPICH reduces 1- and 2-byte integers (and bool, as uint8) at about half its per-byte rate for 4- and 8-byte
-    # ones, where numpy's loops do not slow down: native's per-byte cost, for each such item size (p = 2 sweep,
-    # 256 KiB-2 MiB: int8 1.6-2.0x int32's native time, int16 1.3-2.0x; bench/results/dtype_op.md).
+    # ones, where numpy's loops do not slow down: native's per-byte cost, for each such item size
+    # (bench/results/dtype_op.md).
     native_narrow_int_scale: tuple = ((1, 2.0), (2, 1.6))
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
 
@@ -201,7 +202,7 @@ class CostModel:
         return 2 * rounds * a + 2 * (nodes - 1) / nodes * n * b * sharing + (nodes - 1) / nodes * n * self.gamma
 
     # -------------------------------------------------------------- per collective
-    def allreduce(self, algorithm: str, nbytes: int, layout: Layout) -> float:
+    def allreduce(self, algorithm: str, nbytes: float, layout: Layout) -> float:
         p, n = layout.size, float(nbytes)
         if p == 1:
             return 0.0
@@ -286,9 +287,8 @@ class CostModel:
         ``native_byte_scale``. On one node MPICH's large-message algorithm is Rabenseifner's rhd; across nodes it
         is node-aware, like MPICH's SMP path: reduce to the node's first rank, all-reduce among those, broadcast
         in the node (the node's link carries what one rank sends, as for ``hierarchical``). Bytes on the network
-        go at the link's rate whoever sends them: on 2 x 2 simulated nodes at 1 Gbit/s (ci/cluster.sh) native
-        took 1.00-1.01x hierarchical's time from 256 KiB to 4 MiB, the same bytes on each NIC, and the scale
-        made the model price it 1.4-1.6x."""
+        go at the link's rate whoever sends them: on 2 x 2 simulated nodes at 1 Gbit/s native took hierarchical's
+        time, the same bytes on each NIC, where the scale had priced it well above (bench/results/cluster.md)."""
         if layout.num_nodes == 1:
             return self._native_scaled(lambda m: self.rhd(m, layout, self.alpha_native), n)
         node = Layout(layout.ranks_per_node, (layout.ranks_per_node,))
@@ -402,16 +402,15 @@ class Selector:
         taken instead: each rank keeps the same two TCP connections busy for the whole call, where schemes that
         change partner every round (rhd, MPICH's native, a tree) start rounds on connections that idled, whose
         window TCP shrinks after an idle spell. Their fastest calls match the ring's, their typical ones do not
-        (4 simulated nodes at 1 Gbit/s, bench/results/cluster.md: medians 1.07-1.27x their fastest at 4 and
-        16 MiB, the rings' 1.01-1.06x, two runs), and the model cannot tell such near-ties apart anyway."""
+        (4 simulated nodes, bench/results/cluster.md), and the model cannot tell such near-ties apart anyway."""
         names = candidates or self.candidates[operation]
         model = self.model.for_layout(self.layout)
         costs = {a: model.call(operation, a, nbytes, self.layout, dtype, op) for a in names}
-        best = min(costs, key=costs.get)
+        best = min(costs, key=costs.__getitem__)
         if self.layout.num_nodes > 1:
             steady = [a for a in STEADY if costs.get(a, math.inf) <= costs[best] * (1 + STEADY_MARGIN)]
             if steady:
-                return min(steady, key=costs.get)
+                return min(steady, key=lambda a: costs.get(a, math.inf))
         return best
 
     # -------------------------------------------------------------- calibration table
@@ -456,12 +455,15 @@ class Selector:
 
 
 # ------------------------------------------------------------------ the model's predictions, for the README
+_PREDICTION_SIZES = tuple(1 << k for k in range(3, 31))  # 8 B .. 1 GiB
+
+
 def crossovers(
     ranks=(64, 128, 256, 512, 1024, 2048, 4096),
     ranks_per_node: int = 8,
     algorithms=("ring", "ring_pipelined", "rhd", "tree", "hierarchical"),
     model: CostModel | None = None,
-    sizes=tuple(1 << k for k in range(3, 31)),
+    sizes=_PREDICTION_SIZES,
 ) -> dict[int, list[tuple[int, str]]]:
     """For each communicator size, the all-reduce algorithm the model prefers and the size it starts at:
     ``{p: [(from_bytes, algorithm), ...]}``. ``native`` is left out by default (the model runs it at C speed)."""

@@ -30,8 +30,8 @@ from ..transport import Transport
 from . import ring
 from .chunks import equal_bounds
 
-# Measured on a 2-core host (MPICH shm, p=2, 64 MiB float32): 16 KiB segments 1.9 GB/s busbw, 64 KiB 4.3,
-# 256 KiB 5.9, 1 MiB 6.2, 4 MiB 5.3, plain ring 4.5. Each segment costs ~11 us of Python + MPI calls.
+# Smaller segments pay their per-message Python and MPI cost too often, larger ones overlap too little
+# (bench/results/observations.md, "Pipelined ring segments").
 SEGMENT_BYTES = 1 << 20
 
 

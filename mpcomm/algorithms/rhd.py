@@ -24,6 +24,12 @@ class _Fold:
         else:
             self.vrank = rank - self.rem
 
+    @property
+    def index(self) -> int:
+        """This rank's virtual rank; only for a rank that takes part in the power-of-two group."""
+        assert self.vrank is not None, "a folded-away rank has no virtual rank"
+        return self.vrank
+
     def virtual(self, rank: int) -> int:
         """The virtual rank that stands for ``rank`` (its partner's, if ``rank`` was folded away)."""
         if rank < 2 * self.rem:
@@ -49,7 +55,7 @@ def _span(blocks, lo: int, hi: int) -> slice:
 
 def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks) -> None:
     """In place on the virtual group: afterwards ``buf[blocks[vrank]]`` holds its fully reduced block."""
-    vrank, lo, hi = fold.vrank, 0, fold.p2
+    vrank, lo, hi = fold.index, 0, fold.p2
     incoming = t.scratch("rhd.recv", buf.size, buf.dtype, like=buf)
     mask = fold.p2 // 2
     while mask:
@@ -65,7 +71,8 @@ def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks)
 
 def doubling_all_gather(t: Transport, fold: _Fold, buf, blocks) -> None:
     """In place on the virtual group: each holds ``buf[blocks[vrank]]``; afterwards all hold every block."""
-    vrank, lo, hi = fold.vrank, fold.vrank, fold.vrank + 1
+    vrank = fold.index
+    lo, hi = vrank, vrank + 1
     mask = 1
     while mask < fold.p2:
         partner = fold.real(vrank ^ mask)
@@ -91,7 +98,7 @@ def binomial_gather_blocks(t: Transport, fold: _Fold, buf, blocks, vroot: int) -
     A binomial tree over ``vrank ^ vroot``: in round ``mask`` a rank whose relative index has that bit set
     sends the aligned range of ``mask`` blocks it has gathered to ``vrank ^ mask`` and stops.
     """
-    vrank, mask = fold.vrank, 1
+    vrank, mask = fold.index, 1
     while mask < fold.p2:
         partner = vrank ^ mask
         if (vrank ^ vroot) & mask:

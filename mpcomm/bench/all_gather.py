@@ -14,10 +14,7 @@ class AllGather(DataMovement):
     raw_call = "Allgather"
     per_rank_count = True
     busbw_formula = "(p-1)/p"
-
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return (p - 1) / p
+    recv: np.ndarray  # on every rank
 
     def setup(self) -> None:
         self.send = self.input_of(self.rank)

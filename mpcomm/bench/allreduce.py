@@ -14,10 +14,6 @@ class AllReduce(Collective):
     raw_call = "Allreduce(IN_PLACE)"
     busbw_formula = "2(p-1)/p"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return 2 * (p - 1) / p
-
     def setup(self) -> None:
         self.input = self.input_of(self.rank)
         self.buf = self.input.copy()

@@ -17,10 +17,7 @@ class AllToAll(DataMovement):
     per_rank_count = True
     replicated = False  # each rank receives its own blocks
     busbw_formula = "(p-1)/p"
-
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return (p - 1) / p
+    recv: np.ndarray  # on every rank
 
     def send_of(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s send buffer: block j goes to rank j."""

@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Any, Callable
 
-import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from ..buffers import wire_dtype
+from ..buffers import BFLOAT16, OPS, wire_dtype
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 RAW = "mpi4py-raw"  # the algorithm name of the raw mpi4py rows
+
+# nccl-tests' bus-bandwidth factors by formula: busbw = algbw * factor(p), comparable across process counts
+BUSBW_FACTORS: dict[str, Callable[[int], float]] = {
+    "1": lambda p: 1.0,
+    "(p-1)/p": lambda p: (p - 1) / p,
+    "2(p-1)/p": lambda p: 2 * (p - 1) / p,
+}
 
 # Largest integer every value up to which is exact in the dtype (floats) or fits it (integers).
 _EXACT = {
@@ -115,8 +120,8 @@ def reference_reduce(inputs, dtype, redop: str) -> np.ndarray:
     """
     dtype = np.dtype(dtype)
     acc_dtype = {"f": np.float64, "c": np.complex128, "i": np.int64, "u": np.uint64, "b": np.bool_}[kind(dtype)]
-    ufunc = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[redop]
-    acc = None
+    ufunc = OPS[redop].ufunc
+    acc: Any = None
     p = 0
     for array in inputs:
         p += 1
@@ -176,12 +181,12 @@ class Collective(ABC):
     rooted = False     # takes --root
     per_rank_count = False   # "count" is elements per rank (per peer for alltoall) and "size" the full buffer
     replicated = True  # every rank ends with the same result (checked bitwise across ranks)
-    busbw_formula = ""  # busbw_factor as text, for the header
+    busbw_formula = ""  # nccl-tests' bus-bandwidth factor, one of BUSBW_FACTORS (also the header's text)
 
-    @staticmethod
-    @abstractmethod
-    def busbw_factor(p: int) -> float:
+    @classmethod
+    def busbw_factor(cls, p: int) -> float:
         """nccl-tests' bus-bandwidth factor for p ranks."""
+        return BUSBW_FACTORS[cls.busbw_formula](p)
 
     @classmethod
     def operation_name(cls) -> str:
@@ -207,7 +212,7 @@ class Collective(ABC):
     def __init__(self, comm, count: int, dtype, redop: str, root: int = 0, seed: int = 1234):
         self.comm, self.count, self.dtype, self.redop, self.root, self.seed = comm, count, np.dtype(dtype), redop, root, seed
         self.p, self.rank = comm.size, comm.rank
-        self._expected = None
+        self._expected: np.ndarray | None = None
         self.raw_comm = comm.mpi.Dup()  # the raw calls' own communicator: nothing of mpcomm's can match them
         self.setup()
         self.fill(check=False)

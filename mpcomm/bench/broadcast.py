@@ -15,10 +15,6 @@ class Broadcast(Collective):
     rooted = True
     busbw_formula = "1"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return 1.0
-
     def setup(self) -> None:
         self.input = self.input_of(self.root)
         self.buf = self.input.copy()

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from ..buffers import SUPPORTED_DTYPES, check_dtype_op
 from ..errors import ConfigError
 from ..launch import ArgumentParser, root_outputs_problem, run_main
-from .driver import (BLOCK_SECONDS, COLLECTIVES, Plan, memcpy_bandwidth, sizes, sweep, timed_algorithms,
+from .driver import (BLOCK_SECONDS, COLLECTIVES, SweepSpec, memcpy_bandwidth, sizes, sweep, timed_algorithms,
                      tty_progress)
 from .report import footer_lines, format_row, header_lines, plot, write_json
 
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_plan(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> Plan:
+def make_sweep_spec(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> SweepSpec:
     """Validate the arguments against the registry and the world; parser.error (exit 2) on a bad value."""
     cls = COLLECTIVES[args.op]
     available = cls.algorithms()
@@ -164,7 +164,7 @@ def make_plan(parser: argparse.ArgumentParser, args: argparse.Namespace, world_s
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib (pip install mpcomm[plot])")
-    return Plan(
+    return SweepSpec(
         operation=args.op, algorithms=algorithms, sizes=sizes(args.minbytes, args.maxbytes, args.stepfactor),
         combos=combos, warmup=args.warmup, iters=args.iters, budget=args.budget, rounds=args.rounds, check=args.check,
         root=args.root, seed=args.seed, skipped=skipped,
@@ -181,7 +181,7 @@ def run(argv: Sequence[str] | None = None, comm=None, out: TextIO | None = None)
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     world = comm.mpi if comm is not None else MPI.COMM_WORLD
-    plan = make_plan(parser, args, world.Get_size())
+    spec = make_sweep_spec(parser, args, world.Get_size())
     owned = comm is None
     if owned:
         try:
@@ -207,13 +207,13 @@ def run(argv: Sequence[str] | None = None, comm=None, out: TextIO | None = None)
     progress = tty_progress() if leader else None
     try:
         if args.tune:
-            emit(tune(comm, plan))
-        cls = COLLECTIVES[plan.operation]
-        largest = max(cls.layout(s, d.itemsize, comm.size)[1] for s in plan.sizes for d, _ in plan.combos)
-        meta = describe(comm, args, plan, memcpy_bandwidth(largest, comm.mpi), largest)
+            emit(tune(comm, spec))
+        cls = COLLECTIVES[spec.operation]
+        largest = max(cls.layout(s, d.itemsize, comm.size)[1] for s in spec.sizes for d, _ in spec.combos)
+        meta = describe(comm, args, spec, memcpy_bandwidth(largest, comm.mpi), largest)
         emit(*header_lines(meta))
-        rows = sweep(comm, plan, on_rows=lambda block: emit(*map(format_row, block)), progress=progress)
-        emit(*footer_lines(rows, plan.check))
+        rows = sweep(comm, spec, on_rows=lambda block: emit(*map(format_row, block)), progress=progress)
+        emit(*footer_lines(rows, spec.check))
         if leader and args.json:
             write_json(rows, args.json)
             emit(f"# wrote {args.json}")
@@ -227,7 +227,7 @@ def run(argv: Sequence[str] | None = None, comm=None, out: TextIO | None = None)
     return rows
 
 
-def tune(comm, plan: Plan) -> str:
+def tune(comm, spec: SweepSpec) -> str:
     """Call ``comm.tune()`` (for this operation and dtype where it takes them); returns a header line."""
     import inspect
 
@@ -235,25 +235,25 @@ def tune(comm, plan: Plan) -> str:
         return "# --tune: this build's Communicator has no tune(); auto uses its default selector"
     from ..algorithms import REGISTRY
 
-    operation = COLLECTIVES[plan.operation].operation_name()
+    operation = COLLECTIVES[spec.operation].operation_name()
     if operation not in REGISTRY:
-        return f"# --tune: {plan.operation} has no algorithm choice; nothing to tune"
-    wanted = {"operations": (operation,), "dtype": str(plan.combos[0][0]), "sizes": plan.sizes}
+        return f"# --tune: {spec.operation} has no algorithm choice; nothing to tune"
+    wanted = {"operations": (operation,), "dtype": str(spec.combos[0][0]), "sizes": spec.sizes}
     accepted = inspect.signature(comm.tune).parameters
     comm.tune(**{k: v for k, v in wanted.items() if k in accepted})
-    return (f"# tuned: comm.tune() measured {plan.operation} ({wanted['dtype']}) at the sweep's sizes for the auto "
+    return (f"# tuned: comm.tune() measured {spec.operation} ({wanted['dtype']}) at the sweep's sizes for the auto "
             "selector")
 
 
-def describe(comm, args, plan: Plan, memcpy_gbps: float, memcpy_bytes: int) -> dict:
+def describe(comm, args, spec: SweepSpec, memcpy_gbps: float, memcpy_bytes: int) -> dict:
     """The run's context: header lines and plot title."""
     import platform
 
     from mpi4py import __version__ as mpi4py_version
 
-    cls = COLLECTIVES[plan.operation]
+    cls = COLLECTIVES[spec.operation]
     return {
-        "operation": plan.operation,
+        "operation": spec.operation,
         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
         "mpi4py": mpi4py_version,
         "numpy": np.__version__,
@@ -261,27 +261,27 @@ def describe(comm, args, plan: Plan, memcpy_gbps: float, memcpy_bytes: int) -> d
         "ranks": comm.size,
         "nodes": getattr(comm, "num_nodes", 1),
         "ranks_per_node": comm.ranks_per_node,
-        "dtypes": list(dict.fromkeys(str(d) for d, _ in plan.combos)),
-        "redops": list(dict.fromkeys(r for _, r in plan.combos)),
-        "root": plan.root,
+        "dtypes": list(dict.fromkeys(str(d) for d, _ in spec.combos)),
+        "redops": list(dict.fromkeys(r for _, r in spec.combos)),
+        "root": spec.root,
         "rooted": cls.rooted,
         "per_rank_count": cls.per_rank_count,
-        "algorithms": timed_algorithms(plan.operation, plan.algorithms),
-        "native_added": "native" in cls.algorithms() and "native" not in plan.algorithms,
+        "algorithms": timed_algorithms(spec.operation, spec.algorithms),
+        "native_added": "native" in cls.algorithms() and "native" not in spec.algorithms,
         "raw_call": cls.raw_call,
         "block_ms": BLOCK_SECONDS * 1e3,
         "minbytes": args.minbytes,
         "maxbytes": args.maxbytes,
         "stepfactor": args.stepfactor,
-        "warmup": plan.warmup,
-        "iters": plan.iters,
-        "budget": plan.budget,
-        "rounds": plan.rounds,
-        "check": plan.check,
+        "warmup": spec.warmup,
+        "iters": spec.iters,
+        "budget": spec.budget,
+        "rounds": spec.rounds,
+        "check": spec.check,
         "memcpy_GBps": memcpy_gbps,
         "memcpy_bytes": memcpy_bytes,
         "busbw_formula": cls.busbw_formula,
-        "skipped": plan.skipped,
+        "skipped": spec.skipped,
     }
 
 

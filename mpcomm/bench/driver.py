@@ -68,7 +68,7 @@ def sizes(minbytes: int, maxbytes: int, factor: int) -> list[int]:
 
 
 @dataclass
-class Plan:
+class SweepSpec:
     """Everything the sweep needs, already validated (the CLI builds it from argv)."""
 
     operation: str
@@ -159,6 +159,8 @@ def memcpy_bandwidth(nbytes: int, world: MPI.Comm, budget: float = 0.05, reps: i
 def resolved_algorithm(comm, operation: str, nbytes: int, dtype, redop: str | None = None) -> str | None:
     """What "auto" picks for this call (``redop``: a reduction's op), where the selector says so (None otherwise)."""
     selector = getattr(comm, "selector", None)
+    if selector is None:
+        return None
     try:
         return str(selector.choose(operation, nbytes, np.dtype(dtype), redop))
     except Exception:  # noqa: BLE001 - informative only; a selector with another interface is fine
@@ -178,36 +180,36 @@ def timed_algorithms(operation: str, algorithms: list[str]) -> list[str]:
     return baselines + [a for a in algorithms if a not in baselines]
 
 
-def sweep(comm, plan: Plan, on_rows: Callable[[list[dict]], None] | None = None,
+def sweep(comm, spec: SweepSpec, on_rows: Callable[[list[dict]], None] | None = None,
           progress: Callable[[int, int, str], None] | None = None) -> list[dict]:
-    """Run every (size, dtype, redop, algorithm) point of ``plan``; returns the rows (identical on every rank).
+    """Run every (size, dtype, redop, algorithm) point of ``spec``; returns the rows (identical on every rank).
 
     The raw MPI call and "native" (when the operation has one) are timed at every point, so ``overhead``
     (this time / raw time) and ``vs_native`` (native time / this time, > 1 = faster than native) are known
     for every row.
     """
-    cls = COLLECTIVES[plan.operation]
+    cls = COLLECTIVES[spec.operation]
     world, p = comm.mpi, comm.size
-    order = timed_algorithms(plan.operation, plan.algorithms)
-    total = len(plan.sizes) * len(plan.combos) * len(order)
+    order = timed_algorithms(spec.operation, spec.algorithms)
+    total = len(spec.sizes) * len(spec.combos) * len(order)
     rows: list[dict] = []
     done = 0
-    for dtype, redop in plan.combos:
+    for dtype, redop in spec.combos:
         seen: set[int] = set()
-        for requested in plan.sizes:
+        for requested in spec.sizes:
             count, size = cls.layout(requested, dtype.itemsize, p)
             if size in seen:  # several requested sizes can round to the same element count
                 continue
             seen.add(size)
-            case = cls(comm, count, dtype, redop if cls.reduces else "sum", plan.root, plan.seed)
+            case = cls(comm, count, dtype, redop if cls.reduces else "sum", spec.root, spec.seed)
             block = []
             try:
-                timings = _interleaved_timings(case, order, world, plan)
+                timings = _interleaved_timings(case, order, world, spec)
                 for algorithm in order:
                     if progress is not None:
-                        progress(done, total, f"{plan.operation} {size} B {dtype} {redop} {algorithm}")
-                    wrong, identical = case.check(algorithm) if plan.check else (None, None)
-                    block.append(_row(plan, cls, comm, size, count, dtype, redop, algorithm, timings[algorithm],
+                        progress(done, total, f"{spec.operation} {size} B {dtype} {redop} {algorithm}")
+                    wrong, identical = case.check(algorithm) if spec.check else (None, None)
+                    block.append(_row(spec, cls, comm, size, count, dtype, redop, algorithm, timings[algorithm],
                                       wrong, identical))
                     done += 1
             finally:
@@ -229,8 +231,8 @@ def _compare(block: list[dict]) -> None:
         row["overhead"] = mine / raw if raw > 0 else None
 
 
-def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Plan) -> dict[str, Timing]:
-    """Time every algorithm of one point in ``plan.rounds`` round-robin rounds; per algorithm the median round.
+def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, spec: SweepSpec) -> dict[str, Timing]:
+    """Time every algorithm of one point in ``spec.rounds`` round-robin rounds; per algorithm the median round.
 
     Each round is an nccl-tests block (:func:`timed_block`) with ``budget / rounds`` seconds; the first round
     calibrates the block length (:func:`calibrate`, which is also the warm-up) and the later rounds reuse it
@@ -238,7 +240,7 @@ def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Pla
     puts every algorithm under the same load drift of a shared machine, so two algorithms that are really equal
     also measure equal.
     """
-    rounds, budget = plan.rounds, plan.budget / plan.rounds
+    rounds, budget = spec.rounds, spec.budget / spec.rounds
     steps = {a: case.call(a) for a in algorithms}
     blocks: dict[str, list[float]] = {a: [] for a in algorithms}
     length: dict[str, tuple[int, int]] = {}
@@ -247,10 +249,10 @@ def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Pla
         for algorithm in algorithms[shift:] + algorithms[:shift]:
             step = steps[algorithm]
             if r == 0:
-                length[algorithm] = calibrate(step, world, plan.warmup, plan.iters, budget)
+                length[algorithm] = calibrate(step, world, spec.warmup, spec.iters, budget)
             else:
                 # a call or two untimed first: the algorithm before it in the round left other code in the caches
-                for _ in range(min(plan.warmup, 2)):
+                for _ in range(min(spec.warmup, 2)):
                     step()
             calls = length[algorithm][0]
             blocks[algorithm].append(timed_block(step, world, calls) / calls)
@@ -258,17 +260,17 @@ def _interleaved_timings(case, algorithms: list[str], world: MPI.Comm, plan: Pla
             for a in algorithms}
 
 
-def _row(plan, cls, comm, size, count, dtype, redop, algorithm, timing: Timing, wrong, identical) -> dict:
+def _row(spec, cls, comm, size, count, dtype, redop, algorithm, timing: Timing, wrong, identical) -> dict:
     seconds = timing.seconds
     algbw = size / seconds / GB if seconds > 0 else 0.0
     return {
-        "collective": plan.operation,
+        "collective": spec.operation,
         "size": size,
         "count": count,
         "dtype": str(dtype),
         "op": redop,
         "redop": redop,
-        "root": plan.root if cls.rooted else None,
+        "root": spec.root if cls.rooted else None,
         "algorithm": algorithm,
         "resolved": (resolved_algorithm(comm, cls.operation_name(), size, dtype, _reduction(cls, redop))
                      if algorithm == "auto" else algorithm),
@@ -281,7 +283,7 @@ def _row(plan, cls, comm, size, count, dtype, redop, algorithm, timing: Timing, 
         "overhead": None,
         "iters": timing.iters,
         "block": timing.block,
-        "rounds": plan.rounds,
+        "rounds": spec.rounds,
         "warmup": timing.warmup,
         "ranks": comm.size,
         "nodes": getattr(comm, "num_nodes", None),

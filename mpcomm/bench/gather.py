@@ -17,10 +17,6 @@ class Gather(DataMovement):
     replicated = False  # only the root receives
     busbw_formula = "(p-1)/p"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return (p - 1) / p
-
     def setup(self) -> None:
         self.send = self.input_of(self.rank)
         self.recv = np.zeros(self.count * self.p, self.dtype) if self.rank == self.root else None

@@ -17,10 +17,6 @@ class Reduce(Collective):
     replicated = False  # only the root receives
     busbw_formula = "1"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return 1.0
-
     def setup(self) -> None:
         # the send buffer is only read, so the check inputs are steady timing data too
         self.send = self.input_of(self.rank)
@@ -29,7 +25,7 @@ class Reduce(Collective):
         self.wire_recv = None if self.recv is None else wire_buffer(self.recv)
 
     def fill(self, check: bool) -> None:
-        if check and self.recv is not None:
+        if check and self.recv is not None and self.wire_recv is not None:
             self.recv[...] = sentinel_like(self.expected())
             self.wire_recv[...] = self.recv
 
@@ -39,7 +35,7 @@ class Reduce(Collective):
         return partial(self.comm.reduce, self.send, self.recv, op=self.redop, root=self.root, algorithm=algorithm)
 
     def result(self, algorithm: str):
-        if self.recv is None:
+        if self.recv is None or self.wire_recv is None:
             return self.nothing()
         return from_the_wire(self.wire_recv, self.dtype, self.redop, self.p) if algorithm == RAW else self.recv
 

@@ -17,10 +17,6 @@ class ReduceScatter(Collective):
     replicated = False
     busbw_formula = "(p-1)/p"
 
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return (p - 1) / p
-
     def setup(self) -> None:
         # the send buffer is only read, so the check inputs are steady timing data too
         self.send = self.input_of(self.rank, self.count * self.p)

@@ -16,10 +16,7 @@ class Scatter(DataMovement):
     per_rank_count = True
     replicated = False  # each rank receives its own block
     busbw_formula = "(p-1)/p"
-
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return (p - 1) / p
+    recv: np.ndarray  # on every rank
 
     def root_input(self) -> np.ndarray:
         return self.input_of(self.root, self.count * self.p)

@@ -18,10 +18,7 @@ class SendRecv(DataMovement):
     raw_call = "Sendrecv"
     replicated = False
     busbw_formula = "1"
-
-    @staticmethod
-    def busbw_factor(p: int) -> float:
-        return 1.0
+    recv: np.ndarray  # on every rank
 
     @classmethod
     def algorithms(cls) -> list[str]:

@@ -7,7 +7,7 @@ Parameters are reported ready in reverse registration order (bias before weight)
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator, overload
 
 import numpy as np
 
@@ -212,10 +212,16 @@ class Sequential(Module):
     def __len__(self) -> int:
         return len(self._modules)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Module]:
         return iter(self._modules.values())
 
-    def __getitem__(self, idx):
+    @overload
+    def __getitem__(self, idx: int) -> Module: ...
+
+    @overload
+    def __getitem__(self, idx: slice) -> "Sequential": ...
+
+    def __getitem__(self, idx: int | slice) -> "Module | Sequential":
         items = list(self._modules.items())
         if isinstance(idx, slice):
             return Sequential._from_named(items[idx])

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .layers import GELU, Identity, Linear, ReLU, Sequential, TransformerMLPBlock
+from .module import Module
 
 _ACTIVATIONS = {"gelu": GELU, "relu": ReLU, "identity": Identity, None: None}
 
@@ -20,7 +21,7 @@ def mlp(sizes: Sequence[int], activation: str | None = "gelu", seed: int = 0, dt
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; choose from {sorted(k for k in _ACTIVATIONS if k)}")
     act = _ACTIVATIONS[activation]
-    layers = []
+    layers: list[Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(Linear(a, b, seed=seed * 1000 + i, dtype=dtype))
         if act is not None and i < len(sizes) - 2:

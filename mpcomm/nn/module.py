@@ -33,7 +33,7 @@ class Parameter:
 
     def __init__(self, data: Any, name: str = ""):
         self.data = data
-        self.grad = None
+        self.grad: Any = None
         self.name = name
         self._grad_hooks: "OrderedDict[int, Callable]" = OrderedDict()
 
@@ -46,7 +46,7 @@ class Parameter:
         return int(self.data.size)
 
     @property
-    def dtype(self):
+    def dtype(self) -> Any:
         return self.data.dtype
 
     def accumulate_grad(self, g: Any) -> None:
@@ -87,6 +87,15 @@ class Parameter:
 
 class Module:
     """Base layer. Subclasses implement ``_forward(x) -> (y, ctx)`` and ``_backward(gy, ctx) -> gx``."""
+
+    # set by __init__ through object.__setattr__ (bypassing the registration below)
+    _params: "OrderedDict[str, Parameter]"
+    _modules: "OrderedDict[str, Module]"
+    training: bool
+    _fwd_pre_hooks: "OrderedDict[int, Callable]"
+    _fwd_post_hooks: "OrderedDict[int, Callable]"
+    _bwd_pre_hooks: "OrderedDict[int, Callable]"
+    _bwd_post_hooks: "OrderedDict[int, Callable]"
 
     def __init__(self) -> None:
         object.__setattr__(self, "_params", OrderedDict())

@@ -142,7 +142,7 @@ def clip_grad_norm_(params: Iterable[Parameter], max_norm: float,
     return total
 
 
-def make_optimizer(name: str, params, lr: float) -> Optimizer:
+def make_optimizer(name: str, params: Iterable[Parameter], lr: float) -> Optimizer:
     """``"sgd"`` -> SGD(lr), ``"adam"`` -> Adam(lr), other settings at their defaults (as mpcomm-train uses them)."""
     if name == "sgd":
         return SGD(params, lr=lr)

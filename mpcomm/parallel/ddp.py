@@ -21,11 +21,10 @@ ranks, so the result equals one process training on the whole batch up to float 
 """
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -35,6 +34,7 @@ from ..errors import ConfigError, MpcommError
 from ..nn.backend import array_module, to_numpy
 from ..nn.module import Module, Parameter
 from ..work import Work
+from .same_model import check_same_model
 
 __all__ = [
     "DistributedDataParallel", "UnusedParameterError", "plan_buckets", "Bucket",
@@ -226,6 +226,7 @@ class _Reducer:
         self.launch_in_order()
         start = time.perf_counter()
         for b in engine._buckets:
+            assert b.work is not None  # every bucket was launched above
             b.work.wait()
             if b.finish is not None:
                 b.finish()
@@ -324,7 +325,7 @@ class DistributedDataParallel:
         self._params = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self._params)}
 
-        self._check_same_parameters()
+        check_same_model(self.comm, "DistributedDataParallel", self._signature(), describe_mismatch)
         self._build_buckets(list(reversed(range(len(self._params)))))
         if broadcast_parameters:
             self._broadcast_parameters()
@@ -346,23 +347,6 @@ class DistributedDataParallel:
     # -------------------------------------------------------------------------- construction pieces
     def _signature(self) -> list:
         return [[n, list(p.shape), str(p.dtype)] for n, p in zip(self._names, self._params)]
-
-    def _check_same_parameters(self) -> None:
-        """All-gather every rank's (name, shape, dtype) list; on any difference raise the same error everywhere."""
-        comm = self.comm
-        mine = np.frombuffer(json.dumps(self._signature()).encode(), dtype=np.uint8)
-        lengths = np.zeros(comm.size, dtype=np.int64)
-        comm.all_gather(np.array([mine.size], dtype=np.int64), lengths)
-        width = int(lengths.max())
-        padded = np.zeros(width, dtype=np.uint8)
-        padded[: mine.size] = mine
-        everyone = np.zeros((comm.size, width), dtype=np.uint8)
-        comm.all_gather(padded, everyone)
-        sigs = [json.loads(bytes(everyone[r, : lengths[r]]).decode()) for r in range(comm.size)]
-        if all(s == sigs[0] for s in sigs):
-            return
-        raise ConfigError(f"rank {comm.rank}: DistributedDataParallel: the ranks' models differ — "
-                          + describe_mismatch(sigs))
 
     def _build_buckets(self, order: Sequence[int]) -> None:
         params = self._params
@@ -469,7 +453,7 @@ class DistributedDataParallel:
                     p.grad = view
 
     @contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator["DistributedDataParallel"]:
         """Gradients accumulate locally inside; the first backward after it synchronizes the accumulated sum."""
         previous, self._require_sync = self._require_sync, False
         try:

@@ -138,7 +138,7 @@ def reshard_plan(old: FlatLayout, new: FlatLayout, new_index: int) -> list[Piece
         raise ValueError(f"reshard: old layout has {old.numel} elements, new has {new.numel}")
     lo, hi = new.shard_range(new_index)
     hi = min(hi, new.numel)
-    pieces = []
+    pieces: list[Piece] = []
     if lo >= hi:
         return pieces
     for k in range(lo // old.shard_numel, (hi - 1) // old.shard_numel + 1):

@@ -16,7 +16,6 @@ All communication goes through the ``Communicator``.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
@@ -28,13 +27,14 @@ from mpi4py import MPI
 from ..buffers import BFLOAT16
 from ..comm import Communicator
 from ..errors import ConfigError
-from ..nn import Module, Parameter
+from ..nn import Module, Optimizer, Parameter
 from ..nn.backend import array_module, to_numpy
 from . import fsdp_checkpoint
 from .fsdp_checkpoint import check_optimizer
 from .flat_param import FlatLayout
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit, Groups, MemoryTracker, placeholder
+from .same_model import check_same_model
 from .wrap import (CallablePolicy, ModuleTypePolicy, NoWrapPolicy, SizeBasedPolicy, UnitPlan, WrapPolicy,
                    as_policy, plan_units, size_based_auto_wrap_policy)
 
@@ -132,7 +132,7 @@ class FullyShardedDataParallel:
         self.xp = array_module(*[p.data for _, p in named])
         self.cpu_offload_active = bool(cpu_offload) and self.xp is not np
         plans = plan_units(module, as_policy(auto_wrap_policy))
-        _check_same_model(comm, _describe(plans, self.strategy.value))
+        check_same_model(comm, "FullyShardedDataParallel", _describe(plans, self.strategy.value), _differences)
         self.groups = _make_groups(comm, self.strategy)
         self.tracker = MemoryTracker()
         self.units = [self._build_unit(plan, sync_module_states) for plan in plans]
@@ -233,6 +233,7 @@ class FullyShardedDataParallel:
             return to_numpy(shard_array)
         xp = array_module(shard_array)
         recv = xp.empty(u.layout.padded_numel, dtype=shard_array.dtype)
+        assert self.groups.shard is not None  # more than one shard
         self.groups.shard.all_gather(shard_array, recv)
         return to_numpy(recv)
 
@@ -257,13 +258,13 @@ class FullyShardedDataParallel:
             lo, hi = u.layout.shard_range(self.groups.shard_index)
             u.shard.data[...] = flat[lo:hi] if array_module(u.shard.data) is np else self.xp.asarray(flat[lo:hi])
 
-    def full_optim_state_dict(self, optimizer) -> dict:
+    def full_optim_state_dict(self, optimizer: Optimizer) -> dict:
         """``{param name: {key: full array or scalar}}`` from an optimizer over ``self.parameters()``. Collective."""
         check_optimizer(self, optimizer)
         out: dict = {}
         for i, u in enumerate(self.units):
             state = optimizer.state.get(i, {})
-            per_param = {info.name: {} for info in u.layout.params}
+            per_param: dict[str, dict] = {info.name: {} for info in u.layout.params}
             for key in sorted(state):
                 value = state[key]
                 if hasattr(value, "shape") and tuple(value.shape) == u.shard.shape:
@@ -277,11 +278,11 @@ class FullyShardedDataParallel:
         return out
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def save_sharded(self, path: str, optimizer=None) -> None:
+    def save_sharded(self, path: str, optimizer: Optimizer | None = None) -> None:
         """Each rank writes its shards (and optimizer moments) atomically; see ``fsdp_checkpoint``. Collective."""
         fsdp_checkpoint.save_sharded(self, path, optimizer)
 
-    def load_sharded(self, path: str, optimizer=None) -> None:
+    def load_sharded(self, path: str, optimizer: Optimizer | None = None) -> None:
         """Load a sharded checkpoint written at any world size. Collective."""
         fsdp_checkpoint.load_sharded(self, path, optimizer)
 
@@ -290,7 +291,7 @@ class FullyShardedDataParallel:
         fsdp_checkpoint.save_full(self, path)
 
     # ---- measurements --------------------------------------------------------------------------
-    def memory_stats(self, optimizer=None) -> dict[str, int]:
+    def memory_stats(self, optimizer: Optimizer | None = None) -> dict[str, int]:
         """Bytes measured from the arrays alive now, plus the peaks of transient buffers in the last step.
 
         ``peak_param_bytes`` = sharded params + peak of gathered param buffers alive at once.
@@ -336,26 +337,9 @@ def _describe(plans: list[UnitPlan], strategy: str) -> list:
                          for plan in plans]
 
 
-def _check_same_model(comm: Communicator, description: list) -> None:
-    """Every rank must hold the same units, names, shapes and dtypes; else ValueError on every rank."""
-    mine = json.dumps(description).encode()
-    lengths = np.empty(comm.size, dtype=np.int64)
-    comm.all_gather(np.array([len(mine)], dtype=np.int64), lengths)
-    width = int(lengths.max())
-    buf = np.zeros(width, dtype=np.uint8)
-    buf[: len(mine)] = np.frombuffer(mine, dtype=np.uint8)
-    everyone = np.empty(comm.size * width, dtype=np.uint8)
-    comm.all_gather(buf, everyone)
-    texts = [bytes(everyone[r * width : r * width + lengths[r]]).decode() for r in range(comm.size)]
-    if all(t == texts[0] for t in texts):
-        return
-    first = json.loads(texts[0])
-    problems = []
-    for r, text in enumerate(texts):
-        if text != texts[0]:
-            problems.append(f"rank {r}: {_first_difference(first, json.loads(text))}")
-    raise ValueError("FullyShardedDataParallel: the model differs across ranks (compared with rank 0) — "
-                     + "; ".join(problems))
+def _differences(descriptions: list[list]) -> str:
+    first = descriptions[0]
+    return "; ".join(f"rank {r}: {_first_difference(first, d)}" for r, d in enumerate(descriptions) if d != first)
 
 
 def _first_difference(a: list, b: list) -> str:
@@ -390,6 +374,7 @@ def _make_groups(comm: Communicator, strategy: ShardingStrategy) -> Groups:
     comm.all_gather(np.array([_node_key(comm)], dtype=np.int64), keys)
     node = int(np.flatnonzero(keys == keys[comm.rank])[0])  # lowest world rank on my node names the node
     shard = comm.split(node)
+    assert shard is not None  # a color on every rank
     sizes = np.empty(comm.size, dtype=np.int64)
     comm.all_gather(np.array([shard.size], dtype=np.int64), sizes)
     if len(set(sizes.tolist())) != 1:

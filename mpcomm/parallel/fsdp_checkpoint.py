@@ -35,11 +35,12 @@ import shutil
 import tempfile
 import warnings
 import zlib
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar, cast
 
 import numpy as np
 
 from ..errors import MpcommError
+from ..nn import Optimizer
 from ..nn.backend import array_module, to_numpy
 from .flat_param import FlatLayout, reshard_plan
 
@@ -105,7 +106,7 @@ def _on_every_rank(comm, what: str, fn: Callable[[], T]) -> T:
     except Exception as exc:  # noqa: BLE001 - every rank learns about it in _agree
         result, error = None, exc
     _agree(comm, error, what)
-    return result
+    return cast(T, result)  # no rank raised: fn() returned
 
 
 # ---- atomic, checksummed file writes -------------------------------------------------------------
@@ -310,7 +311,7 @@ def _optimizer_parts(engine, optimizer, i: int) -> tuple[dict, dict]:
     return arrays, scalars
 
 
-def check_optimizer(engine: "FullyShardedDataParallel", optimizer) -> None:
+def check_optimizer(engine: "FullyShardedDataParallel", optimizer: Optimizer) -> None:
     """ValueError unless ``optimizer`` was built over exactly ``engine.parameters()``, in that order (its state is
     saved and loaded per shard, by position)."""
     mine = [id(p) for p in engine.parameters()]
@@ -318,7 +319,7 @@ def check_optimizer(engine: "FullyShardedDataParallel", optimizer) -> None:
         raise ValueError("the optimizer must be built over exactly engine.parameters(), in that order")
 
 
-def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) -> None:
+def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optimizer | None = None) -> None:
     comm, groups = engine.comm, engine.groups
     if optimizer is not None:
         check_optimizer(engine, optimizer)
@@ -363,7 +364,7 @@ def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) 
     _on_every_rank(comm, what, publish)
 
 
-def load_sharded(engine: "FullyShardedDataParallel", path: str, optimizer=None) -> None:
+def load_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optimizer | None = None) -> None:
     """Verify and read this rank's shards; only when every rank succeeded is anything changed (collective)."""
     if optimizer is not None:
         check_optimizer(engine, optimizer)
@@ -424,7 +425,7 @@ def _read_sharded(engine, path: str, with_optimizer: bool) -> list[tuple[np.ndar
                 out[piece.dst_lo : piece.dst_hi] = src[piece.src_lo : piece.src_hi]
             return out
 
-        state = {}
+        state: dict[str, Any] = {}
         if with_optimizer:
             state = dict(um["optimizer"]["scalars"])
             state.update((key, read(key)) for key in um["optimizer"]["arrays"])
@@ -434,7 +435,7 @@ def _read_sharded(engine, path: str, with_optimizer: bool) -> list[tuple[np.ndar
 
 # ---- full -----------------------------------------------------------------------------------------
 def save_full(engine: "FullyShardedDataParallel", path: str) -> None:
-    state = engine.full_state_dict()
+    state: dict[str, Any] = engine.full_state_dict()  # (Any: numpy's savez types **arrays like its keywords)
 
     def write() -> None:
         if engine.comm.rank == 0:

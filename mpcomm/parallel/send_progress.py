@@ -4,8 +4,8 @@ The executor sends a stage's output with ``Isend`` and goes straight on computin
 message that size only while the sender calls MPI: MPICH's shared memory without CMA pushes one 8 KiB cell per
 progress call, and MPICH 5 turns CMA off at start-up where yama's ``ptrace_scope`` is not 0 (Ubuntu's default;
 ``MPIR_CVAR_CH4_CMA_ENABLE=0`` does the same). There the receiving stage, already waiting, waits for the sender's
-whole next compute: a hand-off took 21-23 ms instead of ~0.15, and the bubble at pp = 2, m = 8 was 4.6x theory
-for gpipe and 1f1b (bench/results/pipeline_bubble.md; testing each send after it: 1.2-1.5x, as with CMA). So at
+whole next compute, which multiplies the bubble; testing each send after it brings it back near the bubble with
+CMA (bench/results/pipeline_bubble.md, the ``spin_after_send`` tables). So at
 its first step the executor measures, between every pair of neighbouring pipeline ranks, how long a hand-off takes
 while the sender keeps testing it, and whether it arrives while the sender makes no MPI call at all. If it does
 not, every send is then tested until it completes, for at most a bounded time (long enough for the transfer when
@@ -14,27 +14,32 @@ its receiver is waiting, the case on the critical path); if it does, no time is 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mpcomm.transport import Transport, completed
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from mpcomm.comm import Communicator
 
 # The receiver's window for the message to arrive while the sender makes no MPI call: this long at least, and
 # _WINDOW_TRANSFERS transfers (as measured with the sender testing) so that a slow link is not mistaken for a stall.
 _MIN_WINDOW, _WINDOW_TRANSFERS = 5e-3, 4
 # Testing after a send, where needed, lasts _SPIN_TRANSFERS transfers, within [_MIN_SPIN, _MAX_SPIN] seconds. At
 # least 2 ms: a receiver often starts waiting shortly after the send, not before it (in GPipe's forward phase the
-# next stage finishes the previous micro-batch about one hand-off later). Measured, pp = 2, m = 8, CMA off:
-# gpipe 1.39-1.43x theory when testing 2 ms, 2.0-2.5x for 0.26-0.5 ms, no better for 4-8 ms (bench/results/
-# pipeline_bubble.md); 1f1b and interleaved no better with any of them.
+# next stage finishes the previous micro-batch about one hand-off later); shorter spins left gpipe's bubble larger,
+# longer ones did not shrink it (bench/results/pipeline_bubble.md).
 _SPIN_TRANSFERS, _MIN_SPIN, _MAX_SPIN = 4, 2e-3, 10e-3
-# Transfers timed with the sender testing; the fastest counts (the first between two ranks took 0.86 ms, the next
-# ones 30-45 us: MPICH sets the channel up then).
+# Transfers timed with the sender testing; the fastest counts: MPICH sets the channel up on the first
+# (bench/results/observations.md, "The pipeline's test-after-send window").
 _TIMED = 3
 _OPERATION = "pipeline: measuring whether hand-offs move without the sender's MPI calls"
 
 
-def measure_spin_after_send(comm, wire: Transport, nbytes: int, tag: int) -> float:
+def measure_spin_after_send(comm: Communicator, wire: Transport, nbytes: int, tag: int) -> float:
     """Seconds each rank of the pp Communicator ``comm`` should test a hand-off after sending it: 0 when a
     message of ``nbytes`` (the largest of any rank's) reaches rank r + 1 from every rank r while r makes no MPI
     call, else ``_SPIN_TRANSFERS`` transfers of the slowest pair as measured with the sender testing (within
@@ -54,7 +59,7 @@ def measure_spin_after_send(comm, wire: Transport, nbytes: int, tag: int) -> flo
     return float(agreed[0])
 
 
-def test_until(request, deadline: float) -> bool:
+def test_until(request: MPI.Request, deadline: float) -> bool:
     """Drive MPI for ``request`` until it completes (True) or ``time.perf_counter()`` passes ``deadline`` (False),
     leaving it for a later wait: how a sender keeps its message moving where MPI needs its calls for that, and how
     the probe's receiver watches for one."""

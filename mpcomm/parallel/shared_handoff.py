@@ -1,13 +1,12 @@
 """Pipeline hand-offs between ranks of one node through an MPI shared-memory window.
 
 Between two ranks that share a node, an MPI message of an activation is a copy the receiver makes when it gets to
-its receive (MPICH's CMA reads the sender's pages), after MPI's rendezvous: ~60-70 us for 128 KiB right after a
-stage's compute on the dev VM, ~100 us when the message waited for a busy receiver (bench/results/
-pipeline_handoff.md). Here each receiving rank instead exposes slots in a window of ``MPI_Win_allocate_shared``
-(MPI-3); the sender copies its output into the message's slot, with the data still in its cache, and raises the
-message's flag; the receiver, seeing the flag, computes on the slot in place. One copy, made by the sender, and no
-MPI call on either side; no progress of the sender needed (MPICH without CMA moves a message only during its
-sender's MPI calls, see :mod:`mpcomm.parallel.send_progress`).
+its receive (MPICH's CMA reads the sender's pages), after MPI's rendezvous, and longer when the message waited for a
+busy receiver (bench/results/pipeline_handoff.md). Here each receiving rank instead exposes slots in a window of
+``MPI_Win_allocate_shared`` (MPI-3); the sender copies its output into the message's slot, with the data still in
+its cache, and raises the message's flag; the receiver, seeing the flag, computes on the slot in place. One copy,
+made by the sender, and no MPI call on either side; no progress of the sender needed (MPICH without CMA moves a
+message only during its sender's MPI calls, see :mod:`mpcomm.parallel.send_progress`).
 
 Slots are reused, within a step and across steps, only where that is safe whatever the timing: a slot may take
 message j after message i when the receiver's last use of i (its backward of that micro-batch: a chunk's input is
@@ -23,7 +22,7 @@ import os
 import sys
 from collections import defaultdict
 from functools import partial
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -42,7 +41,7 @@ def slot_plan(lists: Sequence[Sequence[Action]]) -> dict[tuple[str, int, int], i
     whose last message's use on the receiver happens before this message's send, else a new one."""
     clocks = _vector_clocks(lists)
     sends, consumers = {}, {}  # match key -> (rank, vector clock) of its send / of its receiver's backward
-    links: dict[tuple[int, int], list] = defaultdict(list)  # (sender, receiver) -> match keys in send order
+    links: dict[tuple[int, int | None], list] = defaultdict(list)  # (sender, receiver) -> match keys in send order
     for r, acts in enumerate(lists):
         for a, clock in zip(acts, clocks[r]):
             if a.is_send:
@@ -150,7 +149,7 @@ class SharedHandoffs:
         # whether every pair of neighbouring ranks (r, r + 1) hands off here: then no MPI message carries data
         self.all_shared = all(everyone[r] == everyone[r + 1] == (everyone[r][0], True) and used[everyone[r][0]]
                               for r in range(wire.size - 1))
-        self.window = MPI.Win.Allocate_shared(size, 1, comm=node) if used[leader] else None
+        self.window = MPI.Win.Allocate_shared(size, 1, comm=cast(MPI.Intracomm, node)) if used[leader] else None
         node.Free()
         self.step = 0
         self.incoming: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # tag -> (slot, flag) in this rank's segment
@@ -176,7 +175,7 @@ class SharedHandoffs:
         step is not this one's."""
         self.step = number
 
-    def send(self, tag: int, data) -> None:
+    def send(self, tag: int, data: np.ndarray) -> None:
         """Copy ``data`` into the slot of message ``tag`` and raise its flag."""
         slot, flag = self.outgoing[tag]
         if data.shape != slot.shape or data.dtype != slot.dtype:
@@ -186,6 +185,7 @@ class SharedHandoffs:
                               f"micro-batch {mb} is {data.dtype}{list(data.shape)} where the first step agreed "
                               f"{slot.dtype}{list(slot.shape)}; call reset_shapes() on every rank first")
         slot[...] = data
+        assert self.window is not None  # outgoing holds slots of the window
         self.window.Sync()  # the slot's bytes before the flag, on any memory model
         flag[0] = self.step
 
@@ -198,6 +198,7 @@ class SharedHandoffs:
         micro-batch), waited for with the wire's deadline."""
         slot, flag = self.incoming[tag]
         self.wire.poll_until(partial(self.arrived, tag), (peer,), label)
+        assert self.window is not None  # incoming holds slots of the window
         self.window.Sync()
         if flag[0] < 0:
             raise MpcommError(f"{label}: rank {peer} had a message of another shape or dtype than agreed "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -35,6 +35,9 @@ from mpcomm.errors import ConfigError
 from mpcomm.nn import GELU, Embedding, LayerNorm, Linear, Module, Parameter, Sequential, TransformerMLPBlock
 from mpcomm.nn.backend import array_module
 from mpcomm.nn.layers import finish_embedding_grad, finish_linear_grads
+
+if TYPE_CHECKING:
+    from mpcomm.comm import Communicator
 
 __all__ = [
     "CommTimer", "ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLPBlock", "VocabParallelEmbedding",
@@ -119,9 +122,9 @@ class ColumnParallelLinear(_TPModule):
     the weight gradient, so the two overlap (Megatron's async tensor-parallel all-reduce).
     """
 
-    def __init__(self, in_features: int, out_features: int, comm, bias: bool = True, gather_output: bool = False,
-                 seed: int = 0, dtype: Any = np.float64, timer: CommTimer | None = None,
-                 async_grad_allreduce: bool = True, _full: Linear | None = None):
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
+                 gather_output: bool = False, seed: int = 0, dtype: Any = np.float64,
+                 timer: CommTimer | None = None, async_grad_allreduce: bool = True, _full: Linear | None = None):
         super().__init__()
         self._setup(comm, timer)
         self.in_features, self.out_features = in_features, out_features
@@ -134,8 +137,8 @@ class ColumnParallelLinear(_TPModule):
         self.bias = Parameter(xp.array(full.bias.data[lo:hi], copy=True)) if full.bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: Linear, comm, gather_output: bool = False, timer: CommTimer | None = None,
-                    async_grad_allreduce: bool = True) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: Linear, comm: Communicator, gather_output: bool = False,
+                    timer: CommTimer | None = None, async_grad_allreduce: bool = True) -> "ColumnParallelLinear":
         """Slice a full :class:`~mpcomm.nn.Linear` (same init as the single-process model)."""
         return cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
                    gather_output=gather_output, timer=timer, async_grad_allreduce=async_grad_allreduce, _full=linear)
@@ -190,9 +193,9 @@ class RowParallelLinear(_TPModule):
     all-gathers the input gradient).  The bias is replicated and added once, after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, comm, bias: bool = True, input_is_parallel: bool = True,
-                 seed: int = 0, dtype: Any = np.float64, timer: CommTimer | None = None,
-                 _full: Linear | None = None):
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = True,
+                 input_is_parallel: bool = True, seed: int = 0, dtype: Any = np.float64,
+                 timer: CommTimer | None = None, _full: Linear | None = None):
         super().__init__()
         self._setup(comm, timer)
         self.in_features, self.out_features = in_features, out_features
@@ -205,7 +208,7 @@ class RowParallelLinear(_TPModule):
         self.bias = Parameter(xp.array(full.bias.data, copy=True)) if full.bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: Linear, comm, input_is_parallel: bool = True,
+    def from_linear(cls, linear: Linear, comm: Communicator, input_is_parallel: bool = True,
                     timer: CommTimer | None = None) -> "RowParallelLinear":
         return cls(linear.in_features, linear.out_features, comm, bias=linear.bias is not None,
                    input_is_parallel=input_is_parallel, timer=timer, _full=linear)
@@ -257,7 +260,7 @@ class TensorParallelMLPBlock(_TPModule):
     parameter names (and :func:`gather_full_state`) match the full block.
     """
 
-    def __init__(self, d_model: int, d_hidden: int, comm, seed: int = 0, dtype: Any = np.float64,
+    def __init__(self, d_model: int, d_hidden: int, comm: Communicator, seed: int = 0, dtype: Any = np.float64,
                  timer: CommTimer | None = None, _full: TransformerMLPBlock | None = None):
         super().__init__()
         self._setup(comm, timer)
@@ -274,7 +277,8 @@ class TensorParallelMLPBlock(_TPModule):
         self.fc2 = RowParallelLinear.from_linear(full.fc2, self.tp_comm, input_is_parallel=True, timer=self.timer)
 
     @classmethod
-    def from_block(cls, block: TransformerMLPBlock, comm, timer: CommTimer | None = None) -> "TensorParallelMLPBlock":
+    def from_block(cls, block: TransformerMLPBlock, comm: Communicator,
+                   timer: CommTimer | None = None) -> "TensorParallelMLPBlock":
         return cls(block.d_model, block.d_hidden, comm, timer=timer, _full=block)
 
     def _forward(self, x):
@@ -299,8 +303,8 @@ class TensorParallelMLPBlock(_TPModule):
 class VocabParallelEmbedding(_TPModule):
     """Embedding table split by vocabulary rows; ids outside this rank's range contribute zeros; all-reduce."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, comm, seed: int = 0, dtype: Any = np.float64,
-                 timer: CommTimer | None = None, _full: Embedding | None = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, comm: Communicator, seed: int = 0,
+                 dtype: Any = np.float64, timer: CommTimer | None = None, _full: Embedding | None = None):
         super().__init__()
         self._setup(comm, timer)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -311,7 +315,8 @@ class VocabParallelEmbedding(_TPModule):
         self.weight = Parameter(xp.array(full.weight.data[self.start:self.start + self.local_vocab], copy=True))
 
     @classmethod
-    def from_embedding(cls, emb: Embedding, comm, timer: CommTimer | None = None) -> "VocabParallelEmbedding":
+    def from_embedding(cls, emb: Embedding, comm: Communicator,
+                       timer: CommTimer | None = None) -> "VocabParallelEmbedding":
         return cls(emb.num_embeddings, emb.embedding_dim, comm, timer=timer, _full=emb)
 
     def _forward(self, idx):
@@ -332,7 +337,8 @@ class VocabParallelEmbedding(_TPModule):
         return OrderedDict(weight=self._gather_rows(self.weight.data))
 
 
-def parallelize_mlp_blocks(model: Sequential, comm, indices=None, timer: CommTimer | None = None) -> Sequential:
+def parallelize_mlp_blocks(model: Sequential, comm: Communicator, indices: Sequence[int] | None = None,
+                           timer: CommTimer | None = None) -> Sequential:
     """A new Sequential (same child names) whose TransformerMLPBlocks at ``indices`` (all when None) are replaced
     by :class:`TensorParallelMLPBlock` s over ``comm``; other children are shared unchanged."""
     items = list(model.named_children())

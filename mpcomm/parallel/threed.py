@@ -14,15 +14,17 @@ splits it into micro-batches; the loss reported is the mean over the global batc
 """
 from __future__ import annotations
 
+import argparse
 import os
+from collections import OrderedDict
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mpcomm.errors import ConfigError
 from mpcomm.mesh import ParallelMesh
-from mpcomm.nn import make_optimizer, mse_loss
+from mpcomm.nn import Sequential, make_optimizer, mse_loss
 from mpcomm.nn.backend import array_module
 from mpcomm.workload import Workload, param_checksum
 
@@ -30,10 +32,14 @@ from .pipeline import PipelineParallel, partition_layers
 from ..schedules import bubble_fraction_theory
 from .tensor import CommTimer, parallelize_mlp_blocks
 
+if TYPE_CHECKING:
+    from mpcomm.comm import Communicator
+
 __all__ = ["ThreeDParallel", "reference_train", "train_model_parallel"]
 
 
-def reference_train(workload: Workload, steps: int, optimizer: str = "sgd", lr: float = 0.1):
+def reference_train(workload: Workload, steps: int, optimizer: str = "sgd", lr: float = 0.1) -> tuple[list[float],
+                    Sequential]:
     """One process, full global batch: ``(losses, model)`` - what every layout must reproduce."""
     model = workload.model()
     opt = make_optimizer(optimizer, model.parameters(), lr)
@@ -52,7 +58,7 @@ def reference_train(workload: Workload, steps: int, optimizer: str = "sgd", lr: 
 class ThreeDParallel:
     """dp x tp x pp training of ``workload.model()`` on ``comm`` (all ranks construct it together)."""
 
-    def __init__(self, comm, workload: Workload, dp: int = 1, tp: int = 1, pp: int = 1,
+    def __init__(self, comm: Communicator, workload: Workload, dp: int = 1, tp: int = 1, pp: int = 1,
                  num_micro_batches: int | None = None, schedule: str = "1f1b", virtual_stages: int = 1,
                  recompute: bool = False, balance: Any = "layers", optimizer: str = "sgd", lr: float = 0.1,
                  order: str = "tp-dp-pp"):
@@ -136,7 +142,7 @@ class ThreeDParallel:
                 p.grad[...] = flat[off:off + p.grad.size].reshape(p.grad.shape)
                 off += p.grad.size
 
-    def full_state_dict(self):
+    def full_state_dict(self) -> "OrderedDict[str, Any]":
         """The full model's arrays on every rank (collective over tp and pp)."""
         return self.pipeline.full_state_dict()
 
@@ -149,7 +155,7 @@ def _arg(args, name, default=None):
     return default if val is None else val
 
 
-def train_model_parallel(comm, args, workload: Workload) -> dict:
+def train_model_parallel(comm: Communicator, args: argparse.Namespace, workload: Workload) -> dict:
     """Run ``args.steps`` steps of ``--engine pipeline|tp|3d``; print losses and timing on rank 0.
 
     For ``--engine pipeline`` / ``tp`` with all of dp, tp, pp left at 1 on a world > 1, the whole world goes to

@@ -31,7 +31,7 @@ class SizeBasedPolicy(WrapPolicy):
         if int(self.min_num_params) < 1:
             raise ValueError(f"min_num_params must be >= 1, got {self.min_num_params}")
 
-    def __call__(self, module, unwrapped_numel):
+    def __call__(self, module: Module, unwrapped_numel: int) -> bool:
         return unwrapped_numel >= self.min_num_params
 
 
@@ -41,7 +41,7 @@ class ModuleTypePolicy(WrapPolicy):
 
     types: tuple[type, ...]
 
-    def __call__(self, module, unwrapped_numel):
+    def __call__(self, module: Module, unwrapped_numel: int) -> bool:
         return isinstance(module, self.types)
 
 
@@ -51,14 +51,14 @@ class CallablePolicy(WrapPolicy):
     def __init__(self, fn: Callable[[Module], bool]):
         self.fn = fn
 
-    def __call__(self, module, unwrapped_numel):
+    def __call__(self, module: Module, unwrapped_numel: int) -> bool:
         return bool(self.fn(module))
 
 
 class NoWrapPolicy(WrapPolicy):
     """One unit: the whole model."""
 
-    def __call__(self, module, unwrapped_numel):
+    def __call__(self, module: Module, unwrapped_numel: int) -> bool:
         return False
 
 

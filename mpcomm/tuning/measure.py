@@ -177,7 +177,7 @@ def _median_times(comm, operation, algorithms, nbytes, dtype, repeats, block_sec
         once = np.array([time.perf_counter() - start])
         comm.allreduce(once, op="max", algorithm="native")
         calls.append(int(min(50, max(1, block_seconds // max(once[0], 1e-9)))))
-    times = [[] for _ in runs]
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
         for run, count, samples in zip(runs, calls, times):
             comm.barrier()

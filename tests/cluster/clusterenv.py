@@ -5,6 +5,7 @@ The tests in this folder run only on that simulated cluster (``make test-cluster
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -15,3 +16,10 @@ RATE = os.environ.get("MPCOMM_CLUSTER_RATE", "")
 
 only_on_cluster = pytest.mark.skipif(
     not NODES, reason="multi-node test: runs on the simulated cluster of ci/cluster.sh (make test-cluster)")
+
+
+def cluster_mpiexec() -> str:
+    """The cluster-wide mpiexec (ci/cluster.sh puts it first on PATH and names it in $MPIEXEC), not the venv's."""
+    found = shutil.which("mpiexec")
+    assert found and found == os.environ.get("MPIEXEC"), f"mpiexec on PATH is {found}, not the cluster's"
+    return found

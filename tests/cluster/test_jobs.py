@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clusterenv import EXEC, NODES, RANKS_PER_NODE, only_on_cluster
+from clusterenv import EXEC, NODES, RANKS_PER_NODE, cluster_mpiexec, only_on_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 P = len(NODES) * RANKS_PER_NODE
@@ -29,12 +28,6 @@ pytestmark = [
                        reason="launches mpiexec itself: run it serially on node0, not under mpiexec"),
 ]
 TRAIN = ["--steps", "3", "--global-batch", "16", "--layers", "4", "--d-model", "8", "--d-hidden", "16", "--seed", "7"]
-
-
-def _mpiexec() -> str:
-    found = shutil.which("mpiexec")  # ci/cluster.sh puts its cluster-wide mpiexec first on PATH
-    assert found and found == os.environ.get("MPIEXEC"), f"mpiexec on PATH is {found}, not the cluster's"
-    return found
 
 
 def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -61,7 +54,7 @@ def single(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("dp, tp, pp", _layouts())
 def test_3d_training_across_nodes_equals_single(tmp_path, single, dp, tp, pp):
     out = tmp_path / "3d.json"
-    _run(["timeout", "240", _mpiexec(), "-n", str(P), sys.executable, "-m", "mpcomm.train", "--engine", "3d",
+    _run(["timeout", "240", cluster_mpiexec(), "-n", str(P), sys.executable, "-m", "mpcomm.train", "--engine", "3d",
           "--dp", str(dp), "--tp", str(tp), "--pp", str(pp), "--schedule", "1f1b", "--json", str(out), *TRAIN],
          timeout=300)
     got = json.loads(out.read_text())
@@ -78,7 +71,7 @@ def _on_node(node: str, *command: str) -> None:
 def test_link_down_mid_collective_times_out_on_every_rank(tmp_path, algorithm):
     timeout = 4.0
     victim = NODES[-1]
-    job = subprocess.Popen(["timeout", "120", _mpiexec(), "-n", str(P), sys.executable,
+    job = subprocess.Popen(["timeout", "120", cluster_mpiexec(), "-n", str(P), sys.executable,
                             str(ROOT / "tests/cluster/link_down_job.py"), str(tmp_path), str(timeout), algorithm],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     results: dict[int, dict] = {}

@@ -24,7 +24,7 @@ import mpcomm.integrations.torch as mpt  # noqa: E402
 from mpcomm.errors import MpcommError  # noqa: E402
 from mpcomm.integrations.torch.lane import Job, Lane, queued_work  # noqa: E402
 from mpcomm.integrations.torch.tensors import as_numpy, reduction  # noqa: E402
-from torch_groups import fail_on_rank0_then_destroy, pg  # noqa: E402,F401  (tests/torch_groups.py: pg is the fixture)
+from torch_backend.groups import fail_on_rank0_then_destroy  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = pytest.mark.torch

@@ -24,7 +24,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import mpcomm.integrations.torch as mpt  # noqa: E402
 from mpcomm.integrations.ports import free_port  # noqa: E402  (below the ephemeral range: no clash with gloo)
-from torch_groups import on_backend, pg  # noqa: E402,F401  (tests/torch_groups.py: pg is the fixture)
+from torch_backend.groups import on_backend  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = [pytest.mark.torch, pytest.mark.mpi]

@@ -5,7 +5,7 @@ every call produced. Inputs are small integers (in every dtype), so every sum an
 of accumulation and the results must be identical bit for bit; ``test_random_floats`` adds random values, where
 gloo and mpcomm may add in different orders from three ranks on (equal to rounding). Results that torch defines
 on one rank only (``reduce`` off the root) are compared there only. Strided (non-contiguous) tensors are left out:
-gloo all-reduces them wrongly (different results on different ranks); tests/test_torch_backend.py checks them.
+gloo all-reduces them wrongly (different results on different ranks); tests/torch_backend/test_backend.py checks them.
 
 Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torch_backend/test_gloo_parity.py`` (N >= 2).
 """
@@ -17,7 +17,7 @@ from conftest import WORLD
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from torch_groups import on_backend  # noqa: E402  (tests/torch_groups.py)
+from torch_backend.groups import on_backend  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = [pytest.mark.torch, pytest.mark.mpi,

@@ -24,7 +24,6 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from mpcomm.integrations.torch import pages  # noqa: E402
-from torch_groups import pg  # noqa: E402,F401  (tests/torch_groups.py: the fixture)
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 pytestmark = [pytest.mark.torch,

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from mpcomm.integrations.torch import extension  # noqa: E402
-from torch_groups import backend_of, fail_on_rank0_then_destroy, pg  # noqa: E402,F401  (pg: the fixture)
+from torch_backend.groups import backend_of, fail_on_rank0_then_destroy  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 R = dist.ReduceOp

@@ -15,7 +15,7 @@ from conftest import WORLD
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from torch_groups import on_backend  # noqa: E402  (tests/torch_groups.py)
+from torch_backend.groups import on_backend  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = [pytest.mark.torch, pytest.mark.mpi,

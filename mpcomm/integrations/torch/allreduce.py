@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -18,16 +18,26 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ...algorithms import REGISTRY
-from .pages import MIN_BYTES as HUGE_PAGES_FROM
+from ...buffers import AVG, OPS
+from ...comm import Communicator
+from .lane import Lane
+from .pages import MIN_BYTES as HUGE_PAGES_FROM, HugePages
 from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, same_layout, unpack
-
-_UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-
 
 class AllreducePaths:
     """The all-reduce methods of the Backend (a base class of it). They use the group's ``comm``, ``algorithm``,
     lane (``_lane``, ``_issue``, ``_run_here``), ``_sequence``, ``_pages`` and the C++ extension's
-    ``_native_plan`` / ``_native_run``, which ``BackendMpcomm.__init__`` sets up with :meth:`_native_allreduce`."""
+    ``_native_plan`` / ``_native_run``, which the Backend's constructor sets up with :meth:`_native_allreduce`."""
+
+    comm: Communicator
+    algorithm: str
+    _lane: Lane
+    _pages: HugePages
+    _sequence: int
+    _native_plan: Callable[..., Any] | None
+    _native_run: Callable[..., Any] | None
+    _issue: Callable[..., Any]
+    _run_here: Callable[..., None]
 
     def allreduce(self, tensors, opts=None):
         """Each tensor <- the reduction over ranks (a list of several is reduced together first, as gloo does).
@@ -148,7 +158,8 @@ class AllreducePaths:
         same_layout("allreduce", tensors)
         arrays = [as_reducible(t, "allreduce tensor") for t in tensors]
         red = reduction(op, tensors[0].dtype, "allreduce")
-        local = red.local or _UFUNCS.get(red.name)
+        # the list is combined here first, then across ranks: avg has no such two-step form
+        local = red.local or (None if red.name == AVG else OPS[red.name].ufunc)
         if local is None:
             raise NotImplementedError(f"mpcomm backend: allreduce of a list of {len(tensors)} tensors with "
                                       f"ReduceOp.{red.torch_name} is not supported (pass one tensor)")

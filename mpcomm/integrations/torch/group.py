@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import warnings
 from functools import partial
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 import torch.distributed as dist
@@ -34,12 +34,12 @@ from .tensors import Reduction, as_numpy, as_reducible, reduction, same_dtype, s
 
 BACKEND = "mpcomm"
 # monitored_barrier's tags: the top of the MPI library's tag range (see _next_monitor_tags).
-_TAG_UB = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+_TAG_UB = cast(int, MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))  # (every MPI library sets it)
 _MONITOR_TAGS = min(0x10000, (_TAG_UB + 1) // 2)
 _MONITOR_TAG = _TAG_UB + 1 - _MONITOR_TAGS
 
 
-class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):
+class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):  # type: ignore[misc]  # (a base made at runtime)
     """``torch.distributed`` over an :class:`mpcomm.Communicator` (CPU tensors)."""
 
     def __init__(self, comm: Communicator, algorithm: str = "auto", name: str = "", owned: MPI.Comm | None = None):
@@ -56,6 +56,8 @@ class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):
         self._sequence = 0  # collectives issued on this group (torch's sequence number; gloo counts the same)
         self._pages = HugePages()  # large tensors reduced again and again: onto 2 MiB pages (pages.py)
         self._native = self._native_allreduce()
+        self._native_plan: Callable[..., Any] | None
+        self._native_run: Callable[..., Any] | None
         self._native_plan, self._native_run = self._native.functions() if self._native is not None else (None, None)
 
     def getBackendName(self) -> str:
@@ -221,6 +223,7 @@ class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):
     def _reduce_scatter(self, sends: list[np.ndarray], recv: np.ndarray, red: Reduction) -> None:
         send = sends[0] if len(sends) == 1 else np.concatenate([a.reshape(-1) for a in sends])
         if red.local is None:
+            assert red.name is not None  # a reduction mpcomm runs itself
             self.comm.reduce_scatter(send, recv, red.name, self.algorithm)
             return
         blocks = np.empty((self.comm.size,) + recv.shape, dtype=recv.dtype)
@@ -323,7 +326,9 @@ class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):
                     f"for send/recv from rank 0. Please check rank 0 logs for faulty rank.\n Original exception: "
                     f"\n{exc}") from exc
             return
-        start, processed, failed = time.monotonic(), [], []
+        start = time.monotonic()
+        processed: list[int] = []
+        failed: list[int] = []
         for peer in range(1, self.comm.size):
             remaining = limit if wait_all_ranks else limit - (time.monotonic() - start)
             if remaining <= 0 and not wait_all_ranks:
@@ -410,7 +415,8 @@ class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):
             self._native = self._native_plan = self._native_run = None
         if self.comm is None:
             return
-        comm, owned, self.comm, self._owned = self.comm, self._owned, None, None
+        comm, owned, self._owned = self.comm, self._owned, None
+        self.comm = None  # type: ignore[assignment]  # (shut down: no communicator, every later call refused)
         if comm.free(failed=self._failed):  # the ranks agree that nothing failed
             if owned is not None:
                 owned.Free()

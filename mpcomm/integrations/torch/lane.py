@@ -31,14 +31,16 @@ class Job:
 
     __slots__ = ("body", "result", "operation", "error", "done", "future")
 
-    def __init__(self, body: Callable[[], Any], result, operation: str):
-        self.body, self.result, self.operation = body, result, operation
+    def __init__(self, body: Callable[[], Any] | None, result: Any, operation: str):
+        self.body: Callable[[], Any] | None = body  # None once run (and in the _NEVER marker)
+        self.result, self.operation = result, operation
         self.error: BaseException | None = None
         self.done = False
         self.future: Future | None = None
 
     def run(self) -> None:
         try:
+            assert self.body is not None, "a job runs once"
             self.body()
         except BaseException as exc:  # noqa: BLE001 - raised again by wait() / the future
             self.error = torch_error(exc, self.operation)
@@ -106,6 +108,7 @@ class Lane:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
+                    assert timeout is not None  # a deadline comes from it
                     raise dist.DistBackendError(
                         f"mpcomm backend: {job.operation} on process group {self._name}: Timed out waiting "
                         f"{timeout * 1000:.0f}ms for the collective to complete; it is still running")
@@ -277,6 +280,8 @@ class P2PWork(dist.Work):
     on gloo); ``wait()`` is bounded by the group's timeout and raises what the transfer raised."""
 
     __slots__ = ("_request", "_tensors", "_operation", "_on_failure", "_done", "_error")
+    _done: bool
+    _error: BaseException | None
 
     def wait(self, timeout=None) -> bool:
         if self._error is None and not self._done:

@@ -1,12 +1,13 @@
 """Large tensors reduced again and again moved onto 2 MiB pages, once each.
 
 MPICH moves a large message between two processes of a host in one copy (CMA), pinning and walking the sender's
-pages; on the 4 KiB pages torch allocates by default that costs a 64 MiB all-reduce ~26 % (13.5 vs 9.9 ms here,
-bench/results/page_size.md). So the second time a group reduces the same tensor storage of at least
-``MIN_BYTES`` — a DDP bucket, a gradient buffer: memory a training loop reuses — the backend asks the kernel to
-back it with huge pages (``madvise(MADV_COLLAPSE)``, Linux >= 6.1; the contents stay as they are). That costs
-~16-65 ms per 64 MiB once; a storage seen only once (a temporary) is never touched. ``MPCOMM_TORCH_HUGEPAGES=0``
-switches it off; where the kernel refuses (older kernels, THP disabled) nothing is tried again.
+pages; on the 4 KiB pages torch allocates by default that makes large all-reduces markedly slower
+(bench/results/page_size.md). So the second time a group reduces the same tensor storage of at least ``MIN_BYTES`` —
+a DDP bucket, a gradient buffer: memory a training loop reuses — the backend asks the kernel to back it with huge
+pages (``madvise(MADV_COLLAPSE)``, Linux >= 6.1; the contents stay as they are). That costs tens of milliseconds per
+64 MiB, once (bench/results/torch_allreduce_p2.md); a storage seen only once (a temporary) is never touched.
+``MPCOMM_TORCH_HUGEPAGES=0`` switches it off; where the kernel refuses (older kernels, THP disabled) nothing is
+tried again.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import weakref
 import torch
 
 SWITCH = "MPCOMM_TORCH_HUGEPAGES"
-MIN_BYTES = 8 << 20  # smaller buffers hold few whole 2 MiB pages and gain little (16 MiB: 3.0 -> 2.3 ms)
+MIN_BYTES = 8 << 20  # smaller buffers hold few whole 2 MiB pages and gain little (bench/results/page_size.md)
 _HUGE = 2 << 20
 _MADV_COLLAPSE = 25  # linux/mman.h
 

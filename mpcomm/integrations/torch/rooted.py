@@ -6,16 +6,23 @@ The root's list of a tensor per rank (``gather_list``, ``scatter_list``) is chec
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, Callable
 
 import numpy as np
 import torch.distributed as dist
 
+from ...comm import Communicator
 from .tensors import as_numpy, as_reducible, reduction, same_dtype, same_layout, unpack
 
 
 class RootedCalls:
     """The rooted methods of the Backend (a base class of it); they use the group's ``comm``, ``algorithm``,
     ``_issue`` and ``_check_size``."""
+
+    comm: Communicator
+    algorithm: str
+    _issue: Callable[..., Any]
+    _check_size: Callable[[str, str, int, int], None]
 
     def broadcast(self, tensors, opts=None):
         """Every tensor <- the root's ``tensors[opts.rootTensor]``."""
@@ -61,10 +68,12 @@ class RootedCalls:
         return self._issue("gather", partial(self._gather, send, recvs, opts.rootRank), output_tensors, opts)
 
     def _gather(self, send: np.ndarray, recvs: list[np.ndarray] | None, root: int) -> None:
-        gathered = np.empty(self.comm.size * send.size, dtype=send.dtype) if recvs is not None else None
+        if recvs is None:
+            self.comm.gather(send, None, root, self.algorithm)
+            return
+        gathered = np.empty(self.comm.size * send.size, dtype=send.dtype)
         self.comm.gather(send, gathered, root, self.algorithm)
-        if recvs is not None:
-            unpack(gathered, recvs)
+        unpack(gathered, recvs)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """``output_tensors[0]`` <- the root's ``input_tensors[0][rank]`` (equal sizes)."""

@@ -8,14 +8,13 @@ cannot hold (float8, ...) moves as its bytes. Reductions follow gloo: bool SUM/M
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ...buffers import BFLOAT16
 from ...errors import CommTimeoutError, MpcommError
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _RED = dist.ReduceOp.RedOpType
 _ARITHMETIC = {_RED.SUM: "sum", _RED.PRODUCT: "prod", _RED.MIN: "min", _RED.MAX: "max", _RED.AVG: "avg"}
 _BITWISE = {_RED.BAND: np.bitwise_and, _RED.BOR: np.bitwise_or, _RED.BXOR: np.bitwise_xor}

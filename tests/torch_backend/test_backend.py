@@ -2,7 +2,7 @@
 matches DDP on gloo (same job, same seed) and single-process full-batch training.
 
 Skips when PyTorch is not installed (``pip install torch==2.13.0`` / ``make test-torch``).
-Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test_torch_backend.py`` (any N >= 1).
+Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torch_backend/test_backend.py`` (any N >= 1).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ if not dist.is_available():  # pragma: no cover
 import ml_dtypes  # noqa: E402
 
 import mpcomm.integrations.torch as mpt  # noqa: E402
-from torch_groups import on_backend, pg  # noqa: E402,F401  (tests/torch_groups.py: pg is a fixture)
+from torch_backend.groups import on_backend  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = pytest.mark.torch

@@ -1,5 +1,6 @@
 """Fresh default process groups for the torch tests: on mpcomm, or on gloo over the same ranks in the same job
-(``on_backend``), and the ``pg`` fixture. Every function here is collective over ``MPI.COMM_WORLD``."""
+(``on_backend``), and the default mpcomm group behind conftest's ``pg`` fixture. Every function here is collective
+over ``MPI.COMM_WORLD``."""
 from __future__ import annotations
 
 import os
@@ -7,7 +8,6 @@ import socket
 import warnings
 from datetime import timedelta
 
-import pytest
 import torch.distributed as dist
 from conftest import WORLD, in_step
 
@@ -52,9 +52,8 @@ def backend_of(group):
     return backend
 
 
-@pytest.fixture
-def pg():
-    """The default process group on the mpcomm backend (rank and size from MPI, no MASTER_ADDR)."""
+def default_group_on_mpcomm():
+    """Yields the default process group on the mpcomm backend, then destroys it (conftest's ``pg`` fixture)."""
     init_default("mpcomm")
     yield dist.group.WORLD
     in_step(dist.destroy_process_group)
