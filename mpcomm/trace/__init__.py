@@ -7,6 +7,15 @@
 """
 from __future__ import annotations
 
-from .recorder import DEFAULT_BUFFER, FILE_PREFIX, FlightRecorder, GroupTrace, default_dir, process_recorder
+from .recorder import (
+    DEFAULT_BUFFER,
+    FILE_PREFIX,
+    FlightRecorder,
+    GroupTrace,
+    default_dir,
+    dump_trace,
+    process_recorder,
+)
 
-__all__ = ["DEFAULT_BUFFER", "FILE_PREFIX", "FlightRecorder", "GroupTrace", "default_dir", "process_recorder"]
+__all__ = ["DEFAULT_BUFFER", "FILE_PREFIX", "FlightRecorder", "GroupTrace", "default_dir", "dump_trace",
+           "process_recorder"]

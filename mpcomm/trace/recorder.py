@@ -287,6 +287,18 @@ def process_recorder(capacity: int) -> FlightRecorder | None:
     return made
 
 
+def dump_trace(path: str | None = None) -> str:
+    """Write this rank's dump of the process's recorder into the directory ``path`` (default
+    ``MPCOMM_TRACE_DIR``) and return the file's path — what ``Communicator.dump_trace`` does, for code that holds
+    no Communicator (a torch program on the ``mpcomm`` backend). Local; RuntimeError if nothing was recorded
+    (no Communicator made yet, or ``MPCOMM_TRACE_BUFFER=0``)."""
+    made = _process.get("recorder")
+    if made is None:
+        raise RuntimeError("mpcomm.trace.dump_trace: no flight recorder in this process (no Communicator was made "
+                           "with MPCOMM_TRACE_BUFFER > 0)")
+    return made.dump("dump_trace()", path, frame=sys._getframe(1))
+
+
 def _install_signal_handler(made: FlightRecorder) -> None:
     usr1 = getattr(signal, "SIGUSR1", None)
     if usr1 is None or threading.current_thread() is not threading.main_thread():
