@@ -143,7 +143,7 @@ class Dispatcher:
                 self._inline.run_until(None)
             t.operation = plan.label
             start, trace = _clock(), t.trace  # the flight recorder's lane (mpcomm.trace): None when off
-            if trace is not None:  # (GroupTrace.started, without the call: half the recorder's cost)
+            if trace is not None:  # (GroupTrace.started, inline: see bench/results/trace_cost.md)
                 trace.collectives += 1
                 slot = next(trace.slots)
                 trace.groups[slot] = trace
