@@ -206,8 +206,9 @@ class GroupTrace:
         non-blocking one, completed in the dump once a wait saw it done."""
         self.p2p += 1
         slot = next(self.slots)
-        what = (operation, peer if type(peer) is int else -1, tuple(getattr(array, "shape", ())),
-                str(getattr(array, "dtype", "")), int(getattr(array, "nbytes", 0)), work)
+        # the array's own shape and dtype objects: made into text at dump time (str(dtype) costs ~2 us a call)
+        what = (operation, peer if type(peer) is int else -1, getattr(array, "shape", ()),
+                getattr(array, "dtype", ""), getattr(array, "nbytes", 0), work)
         self.groups[slot], self.calls[slot], self.starts[slot] = self, what, _clock()
         return slot
 
@@ -225,8 +226,8 @@ def _describe(what, group: GroupTrace):
     if type(what) is tuple:  # point to point: (operation, peer, shape, dtype, bytes, Work or None)
         operation, peer, shape, dtype, nbytes, _ = what
         sizes = [list(shape)]
-        return operation, "p2p", nbytes, sizes if operation == "send" else [], \
-            sizes if operation == "recv" else [], dtype, {}, peer
+        return operation, "p2p", int(nbytes), sizes if operation == "send" else [], \
+            sizes if operation == "recv" else [], str(dtype), {}, peer
     signature = what.signature
     operation, shape = what.operation, signature.get("shape")
     dtype = signature.get("dtype") or ""
