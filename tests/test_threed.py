@@ -4,6 +4,7 @@ Serial:  python -m pytest -q tests/test_threed.py
 MPI:     timeout 600 mpiexec -n 4 python -m pytest -q --with-mpi -m mpi tests/test_threed.py   (any size 1..4)
 World 4: pp=4, dp2xpp2, tp2xpp2, tp=4, dp2xtp2, dp=4; world 3: pp=3, tp=3, dp=3; world 2: pp=2, tp=2, dp=2.
 """
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -89,6 +90,24 @@ def test_train_model_parallel_entry_point(capsys, world_comm):
         assert "step    2  loss" in printed and "where the time went" in printed
         m = out["layout"]["micro_batches"]
         assert f"{bubble_fraction_theory(pp, m, 1):.3f}" in printed
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_first_steps_handshake_is_not_taken_out_of_the_compute_time(world_comm, monkeypatch):
+    """The first step's shapes handshake runs the model on empty batches, so tensor-parallel collectives, outside
+    any compute action: their time must not be subtracted from the compute time (it went negative under load)."""
+    comm = world_comm
+    engine = ThreeDParallel(comm, workload_for(1, 1, 1), dp=1, tp=comm.size, pp=1)
+    allreduce = engine.mesh.tp.allreduce
+
+    def slow_when_empty(buf, *args, **kwargs):
+        if buf.size == 0:
+            time.sleep(0.2)  # the stimulus: this rank loses its core during the handshake's empty all-reduce
+        return allreduce(buf, *args, **kwargs)
+
+    monkeypatch.setattr(engine.mesh.tp, "allreduce", slow_when_empty)
+    engine.train_step(0)
+    assert all(engine.timing[k] >= 0 for k in ("compute", "communication", "total")), engine.timing
 
 
 @pytest.mark.mpi

@@ -291,9 +291,25 @@ class PipelineParallel:
         executor.run(state, self._program)
         return self._finish_step(state, t_start)
 
+    def prepare(self, x: Any = None) -> None:
+        """What the first step (or the first after :meth:`reset_shapes`) sets up before computing — the shapes
+        handshake, the hand-offs' transports, the send-progress measurement — done now (collective over the
+        pipeline ranks; ``x`` as for :meth:`train_step`), so that a timed step holds only its own work.
+        :meth:`train_step` does it when it was not done."""
+        self._set_up(self._split(x, "x") if 0 in self.stages else None)
+
     def _executor(self, xs: list | None) -> StepExecutor:
-        """This step's executor; at the first step (or after :meth:`reset_shapes`) the shapes handshake, the
-        hand-offs' transports and the send-progress measurement first."""
+        """This step's executor, after the set-up (:meth:`prepare`) where it is still to do."""
+        self._set_up(xs)
+        if self._shared is not None:
+            self._shared.begin_step(self._steps_called)
+        return StepExecutor(self.chunks, num_stages=self.num_stages, pp=self.pp, rank=self.rank,
+                            num_micro_batches=self.num_micro_batches, loss_fn=self.loss_fn, recompute=self.recompute,
+                            xp=chunk_array_module(self.chunks[self.stages[0]]), wire=self._wire, shared=self._shared,
+                            spin=self.spin_after_send or 0.0, receives=self._receive_plan(), max_posted=self.max_posted_recvs)
+
+    def _set_up(self, xs: list | None) -> None:
+        """The shapes handshake, the hand-offs' transports and the send-progress measurement, where not done."""
         key = None
         if xs is not None:
             key = (tuple(xs[0].shape), np.dtype(xs[0].dtype).str)
@@ -306,7 +322,6 @@ class PipelineParallel:
             self._in_key = key
             if self.pp > 1 and self._wire is None:
                 self._wire = self.comm.protocol_transport("pipeline")
-        xp = chunk_array_module(self.chunks[self.stages[0]])
         wire = self._wire
         if wire is not None and self._shared is None:
             host = all(chunk_array_module(self.chunks[s]) is np for s in self.stages)
@@ -319,12 +334,6 @@ class PipelineParallel:
             if wire is not None and shared is not None and not shared.all_shared:
                 first_free_tag = self.tag_base + 2 * self.num_stages * self.num_micro_batches  # above the data tags
                 self.spin_after_send = measure_spin_after_send(self.comm, wire, self._largest_message(), first_free_tag)
-        if shared is not None:
-            shared.begin_step(self._steps_called)
-        return StepExecutor(self.chunks, num_stages=self.num_stages, pp=self.pp, rank=self.rank,
-                            num_micro_batches=self.num_micro_batches, loss_fn=self.loss_fn, recompute=self.recompute,
-                            xp=xp, wire=self._wire, shared=shared, spin=self.spin_after_send,
-                            receives=self._receive_plan(), max_posted=self.max_posted_recvs)
 
     def _finish_step(self, state: StepState, t_start: float) -> float:
         """The mean loss, broadcast from the last stage; the step's timing recorded."""
