@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from mpcomm.integrations.torch import pages  # noqa: E402
+from torch_backend.groups import backend_of  # noqa: E402
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 pytestmark = [pytest.mark.torch,
@@ -93,4 +94,7 @@ def test_dist_all_reduce_of_a_reused_large_tensor_is_right_and_on_huge_pages(pg)
         assert_bitwise_equal(gather(tensor.numpy()))
         if call == 0:
             assert huge_kib(tensor) == before
-    assert huge_kib(tensor) >= before + WHOLE_PAGES_KIB
+    refused = backend_of(pg)._pages.refused
+    if refused == pages.MAX_TRIES:  # (the kernel's answer each time: no free 2 MiB page; a loaded machine's state)
+        pytest.skip(f"the kernel found no free huge pages in {refused} tries")
+    assert huge_kib(tensor) >= before + WHOLE_PAGES_KIB, f"the kernel refused {refused} of the collapses"

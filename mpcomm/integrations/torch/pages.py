@@ -22,6 +22,7 @@ SWITCH = "MPCOMM_TORCH_HUGEPAGES"
 MIN_BYTES = 8 << 20  # smaller buffers hold few whole 2 MiB pages and gain little (bench/results/page_size.md)
 _HUGE = 2 << 20
 _MADV_COLLAPSE = 25  # linux/mman.h
+MAX_TRIES = 3  # the kernel may have no free 2 MiB page for a while (EAGAIN): tried again at the next reductions
 
 
 class HugePages:
@@ -30,7 +31,9 @@ class HugePages:
     def __init__(self):
         self.enabled = os.environ.get(SWITCH, "1") != "0"
         self._seen: weakref.WeakSet = weakref.WeakSet()  # a storage leaves both sets when torch frees it
-        self._collapsed: weakref.WeakSet = weakref.WeakSet()
+        self._collapsed: weakref.WeakSet = weakref.WeakSet()  # done, or not to be tried again
+        self._tries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> collapses refused so far
+        self.refused = 0  # collapses the kernel could not complete for want of free huge pages
         self._madvise = None
 
     def reused(self, tensor: torch.Tensor) -> None:
@@ -44,17 +47,30 @@ class HugePages:
         if storage not in self._seen:
             self._seen.add(storage)
             return
-        self._collapsed.add(storage)
-        self._collapse(storage.data_ptr(), storage.nbytes())
+        tries = self._tries.get(storage, 0) + 1
+        if self._collapse(storage.data_ptr(), storage.nbytes()) or tries >= MAX_TRIES:
+            self._collapsed.add(storage)
+            self._tries.pop(storage, None)
+        else:
+            self._tries[storage] = tries
 
-    def _collapse(self, address: int, nbytes: int) -> None:
+    def _collapse(self, address: int, nbytes: int) -> bool:
+        """Collapse the whole 2 MiB pages of ``[address, address + nbytes)``; False when the kernel found no free
+        huge page for them now (worth another try), True otherwise."""
         start = -(-address // _HUGE) * _HUGE  # the whole 2 MiB pages inside the storage
         end = (address + nbytes) // _HUGE * _HUGE
         if end <= start:
-            return
+            return True
         if self._madvise is None:
             libc = ctypes.CDLL(None, use_errno=True)
             self._madvise = libc.madvise
             self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        if self._madvise(start, end - start, _MADV_COLLAPSE) != 0 and ctypes.get_errno() == errno.EINVAL:
+        if self._madvise(start, end - start, _MADV_COLLAPSE) == 0:
+            return True
+        error = ctypes.get_errno()
+        if error == errno.EINVAL:
             self.enabled = False  # the kernel has no MADV_COLLAPSE (or no THP): not tried again
+        if error in (errno.EAGAIN, errno.ENOMEM):
+            self.refused += 1
+            return False
+        return True
