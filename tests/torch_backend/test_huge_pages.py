@@ -13,6 +13,8 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torc
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 from pathlib import Path
 
@@ -75,13 +77,40 @@ def test_the_switch_turns_it_off(monkeypatch):
     assert huge_kib(tensor) == before
 
 
+def test_a_collapse_the_kernel_could_not_do_yet_is_tried_again():
+    """EAGAIN (no free 2 MiB page at that moment) leaves the storage to be tried at the next reduction, up to
+    MAX_TRIES; the first answer is made EAGAIN here, the second is the kernel's own."""
+    reducing = pages.HugePages()
+    tensor = torch.arange(ELEMENTS, dtype=torch.float32)
+    before, answers = huge_kib(tensor), []
+    reducing.reused(tensor)
+    kernel = ctypes.CDLL(None, use_errno=True).madvise
+    kernel.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+    def busy_once(address, length, advice):
+        if not answers:
+            answers.append("EAGAIN")
+            ctypes.set_errno(errno.EAGAIN)
+            return -1
+        answers.append("kernel")
+        return kernel(address, length, advice)
+
+    reducing._madvise = busy_once
+    reducing.reused(tensor)
+    assert reducing.refused == 1 and huge_kib(tensor) == before, "refused: left as it was, to be tried again"
+    reducing.reused(tensor)
+    assert answers == ["EAGAIN", "kernel"] and huge_kib(tensor) >= before + WHOLE_PAGES_KIB
+    reducing.reused(tensor)
+    assert answers == ["EAGAIN", "kernel"], "collapsed once: not tried again"
+
+
 @pytest.mark.mpi
 def test_dist_all_reduce_of_a_reused_large_tensor_is_right_and_on_huge_pages(pg):
     """Three synchronous and one asynchronous all-reduce of the same 40 MiB tensor: each equals numpy's sum of
     the gathered inputs, bitwise on every rank, and after the second the tensor is on huge pages."""
     rank = WORLD.Get_rank()
     tensor = torch.empty(ELEMENTS, dtype=torch.float32)
-    before = huge_kib(tensor)
+    before, refused_before = huge_kib(tensor), backend_of(pg)._pages.refused
     for call in range(4):
         start = (torch.arange(ELEMENTS) % 1000 + 3 * rank + call).to(torch.float32)  # exact sums in float32
         tensor.copy_(start)
@@ -94,7 +123,7 @@ def test_dist_all_reduce_of_a_reused_large_tensor_is_right_and_on_huge_pages(pg)
         assert_bitwise_equal(gather(tensor.numpy()))
         if call == 0:
             assert huge_kib(tensor) == before
-    refused = backend_of(pg)._pages.refused
+    refused = backend_of(pg)._pages.refused - refused_before  # (this tensor's: the group may have reduced others)
     if refused == pages.MAX_TRIES:  # (the kernel's answer each time: no free 2 MiB page; a loaded machine's state)
         pytest.skip(f"the kernel found no free huge pages in {refused} tries")
     assert huge_kib(tensor) >= before + WHOLE_PAGES_KIB, f"the kernel refused {refused} of the collapses"
