@@ -34,11 +34,12 @@ from ..errors import ConfigError, MpcommError
 from ..nn.backend import array_module, to_numpy
 from ..nn.module import Module, Parameter
 from ..work import Work
+from .grad_compression import DEFAULT_WARMUP_STEPS, GradCompressor, merge_states, parse_compression
 from .same_model import check_same_model
 
 __all__ = [
     "DistributedDataParallel", "UnusedParameterError", "plan_buckets", "Bucket",
-    "allreduce_hook", "compress_hook", "COMM_HOOKS",
+    "allreduce_hook", "compress_hook", "COMM_HOOKS", "merge_states",
 ]
 
 MiB = 1024 * 1024
@@ -215,7 +216,10 @@ class _Reducer:
         if bucket.tail.size:  # the last bucket: by now every parameter is ready, so "unused" is known
             bucket.tail[...] = array_module(bucket.tail).asarray([0 if t else 1 for t in self.touched])
         engine = self.engine
-        bucket.work, bucket.finish = engine._hook(engine.comm, bucket.buffer)
+        if engine._compressor is not None:
+            bucket.work, bucket.finish = engine._compressor.launch(bucket)
+        else:
+            bucket.work, bucket.finish = engine._hook(engine.comm, bucket.buffer)
 
     def finalize(self) -> None:
         """Mark what is left ready (as zero), launch the rest in order, wait, unpack, check for unused params."""
@@ -297,13 +301,18 @@ class DistributedDataParallel:
     delay_all_reduce: launch every bucket only after backward (no overlap; for comparison).
     comm_hook: ``None`` / ``"allreduce"``, ``"fp16"``, ``"bf16"`` (compressed all-reduce), or a callable
         ``(comm, buffer) -> (Work, finish or None)``.
+    compression: ``None``, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"powersgd:RANK"`` or ``"auto"``: gradient
+        compression with error feedback (:mod:`mpcomm.parallel.grad_compression`); not together with ``comm_hook``.
+    compression_warmup_steps: exact synchronizing steps before compression starts (default 10).
+    error_feedback: carry each rank's compression error into its next step's gradient (default True).
     broadcast_parameters: copy rank 0's parameter values to every rank at construction (default True).
     """
 
     def __init__(self, module: Module, comm: Any, *, bucket_cap_mb: float = 25.0,
                  first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_MB, gradient_as_bucket_view: bool = False,
                  find_unused_parameters: bool = False, static_graph: bool = False, delay_all_reduce: bool = False,
-                 comm_hook: Any = None, broadcast_parameters: bool = True):
+                 comm_hook: Any = None, broadcast_parameters: bool = True, compression: str | None = None,
+                 compression_warmup_steps: int = DEFAULT_WARMUP_STEPS, error_feedback: bool = True):
         if not isinstance(module, Module):
             raise TypeError(f"DistributedDataParallel wraps an mpcomm.nn.Module, got {type(module).__name__}")
         if bucket_cap_mb is None or not bucket_cap_mb > 0 or not first_bucket_cap_mb > 0:
@@ -318,12 +327,18 @@ class DistributedDataParallel:
         self.static_graph = bool(static_graph)
         self.delay_all_reduce = bool(delay_all_reduce)
         self._hook = _resolve_hook(comm_hook)
+        spec = parse_compression(compression, compression_warmup_steps, error_feedback)
+        if spec is not None and comm_hook is not None:
+            raise ConfigError(f"DistributedDataParallel: pass comm_hook={comm_hook!r} or compression={compression!r}, "
+                              "not both (compression replaces the hook)")
         named = module.named_parameters()
         if not named:
             raise ValueError("DistributedDataParallel: the module has no parameters")
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._compressor = None if spec is None else GradCompressor(
+            spec, self.comm, self._names, [p.shape for p in self._params], [p.dtype for p in self._params])
 
         check_same_model(self.comm, "DistributedDataParallel", self._signature(), describe_mismatch)
         self._build_buckets(list(reversed(range(len(self._params)))))
@@ -417,6 +432,8 @@ class DistributedDataParallel:
             if sync:
                 first_static = self.static_graph and self._static_unused is None
                 self._reducer.finalize()
+                if self._compressor is not None:
+                    self._compressor.finish_step()
                 self.timing["wait_seconds"] += self._reducer.wait_seconds
                 self.timing["syncs"] += 1
                 if first_static:
@@ -444,7 +461,10 @@ class DistributedDataParallel:
         flags = to_numpy(self._buckets[-1].tail).astype(np.float64)
         self._static_unused = [int(i) for i in np.flatnonzero(flags > 1.0 - 0.5 / self.comm.size)]
         grads = [p.grad for p in self._params]
+        compression = self.compression_state_dict()
         self._build_buckets([int(i) for i in order])
+        if compression is not None:
+            self.load_compression_state_dict(compression)
         if self.gradient_as_bucket_view:
             for i, (p, g) in enumerate(zip(self._params, grads)):
                 if g is not None:
@@ -483,12 +503,26 @@ class DistributedDataParallel:
     def load_state_dict(self, state: dict) -> None:
         self.module.load_state_dict(state)
 
+    def compression_state_dict(self) -> dict | None:
+        """This rank's compression state (step count, its error per parameter, PowerSGD's Q), or None without
+        compression. Save it per rank with the model and optimizer: a run resumed from it continues bitwise as the
+        uninterrupted one; :func:`merge_states` turns every rank's state into one for another world size."""
+        return None if self._compressor is None else self._compressor.state_dict(self._buckets)
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        """Restore :meth:`compression_state_dict` (this rank's, or :func:`merge_states` of the saved ranks')."""
+        if self._compressor is None:
+            raise ConfigError("load_compression_state_dict: this DistributedDataParallel has no compression")
+        self._compressor.load_state_dict(state, self._buckets)
+
     def reset_timing(self) -> None:
         self.timing = {"backward_seconds": 0.0, "wait_seconds": 0.0, "syncs": 0}
 
     def __repr__(self) -> str:
         return (f"DistributedDataParallel({len(self._params)} params in {len(self._buckets)} buckets, "
-                f"world {self.comm.size}, hook {getattr(self._hook, '__name__', self._hook)})")
+                f"world {self.comm.size}, "
+                + (f"compression {self._compressor.spec.name})" if self._compressor is not None else
+                   f"hook {getattr(self._hook, '__name__', self._hook)})"))
 
 
 def describe_mismatch(sigs: list[list]) -> str:
