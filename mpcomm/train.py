@@ -24,6 +24,7 @@ import numpy as np
 from .errors import ConfigError
 from .launch import ArgumentParser, UsageError, root_outputs_problem, run_main
 from .nn import Module, make_optimizer, mse_loss
+from .parallel.grad_compression import DEFAULT_WARMUP_STEPS, parse_compression
 from .workload import Workload, param_checksum
 
 ENGINES = ("single", "ddp", "fsdp", "pipeline", "tp", "3d")
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="activation recomputation: keep only each block's input, redo its forward in backward")
     ap.add_argument("--fsdp-strategy", choices=FSDP_STRATEGIES, default="full_shard")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket cap")
+    ap.add_argument("--compression", default=None, metavar="MODE",
+                    help="DDP gradient compression with error feedback: bf16, fp16, int8 (float32 models), "
+                         "powersgd:RANK or auto (the cost model's choice per bucket; off on one host)")
+    ap.add_argument("--compression-warmup", type=int, default=DEFAULT_WARMUP_STEPS, metavar="STEPS",
+                    help="exact (uncompressed) steps before compression starts")
+    ap.add_argument("--no-error-feedback", action="store_true",
+                    help="drop each step's compression error instead of adding it to the next step's gradient")
     ap.add_argument("--json", metavar="FILE", default=None, help="write losses, checksum and timing (rank 0)")
     return ap
 
@@ -73,6 +81,12 @@ def resolve_layout(args: argparse.Namespace, world: int) -> tuple[int, int, int]
         raise ConfigError(f"--lr must be positive, got {args.lr}")
     if not 0 < args.bucket_cap_mb < float("inf"):
         raise ConfigError(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
+    spec = parse_compression(args.compression, args.compression_warmup)
+    if spec is not None and args.engine != "ddp":
+        raise ConfigError(f"--compression {args.compression} is for --engine ddp (got --engine {args.engine})")
+    if spec is not None and spec.mode != "powersgd" and args.dtype != "float32":
+        raise ConfigError(f"--compression {args.compression} compresses float32 gradients: add --dtype float32 "
+                          f"(got --dtype {args.dtype}), or use powersgd:RANK")
     given = {n: getattr(args, n) for n in ("dp", "tp", "pp")}
     if args.engine == "single":
         if any(v not in (None, 1) for v in given.values()):
@@ -148,7 +162,9 @@ def _build_engine(args, comm, model):
         return None
     if args.engine == "ddp":
         from .parallel.ddp import DistributedDataParallel
-        return DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb)
+        return DistributedDataParallel(model, comm, bucket_cap_mb=args.bucket_cap_mb, compression=args.compression,
+                                       compression_warmup_steps=args.compression_warmup,
+                                       error_feedback=not args.no_error_feedback)
     try:
         from .parallel.fsdp import FullyShardedDataParallel
     except ImportError as exc:

@@ -77,6 +77,13 @@ TRAIN_CONFIG_ERRORS = {
     "lr nan": (["--lr", "nan"], "--lr must be positive"),
     "bucket cap negative": (["--engine", "ddp", "--bucket-cap-mb", "-5"], "--bucket-cap-mb must be a positive"),
     "bucket cap zero": (["--engine", "ddp", "--bucket-cap-mb", "0"], "--bucket-cap-mb must be a positive"),
+    "unknown compression": (["--engine", "ddp", "--compression", "int4"], "compression must be None, 'bf16'"),
+    "powersgd rank zero": (["--engine", "ddp", "--compression", "powersgd:0"], "got 'powersgd:0'"),
+    "compression warm-up negative": (["--engine", "ddp", "--compression", "powersgd:1", "--compression-warmup", "-1"],
+                                     "warm-up must be a whole number of steps >= 0"),
+    "compression outside ddp": (["--engine", "fsdp", "--compression", "powersgd:1"], "is for --engine ddp"),
+    "wire compression of float64": (["--engine", "ddp", "--compression", "int8"],
+                                    "--compression int8 compresses float32 gradients: add --dtype float32"),
 }
 
 

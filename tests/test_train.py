@@ -155,6 +155,23 @@ def test_ddp_cli_equals_single(world, tmp_path, extra):
 
 
 @pytest.mark.mpi
+def test_ddp_cli_compression(world, tmp_path):
+    """--compression powersgd:1: the warm-up steps are exactly --engine ddp's, then the losses part (and stay close)."""
+    from mpcomm.train import main
+    ref_path = shared_path(world, tmp_path, "ref.json")
+    path = shared_path(world, tmp_path, "psgd.json")
+    argv = [*COMMON, "--steps", "6", "--layers", "2", "--d-model", "16", "--d-hidden", "32"]
+    assert main(["--engine", "ddp", "--json", ref_path, *argv]) == 0
+    assert main(["--engine", "ddp", "--compression", "powersgd:1", "--compression-warmup", "3", "--json", path,
+                 *argv]) == 0
+    ref, got = load(world, ref_path), load(world, path)
+    assert got["losses"][:4] == ref["losses"][:4]  # the 4th loss is computed before the first compressed step
+    assert got["losses"][4:] != ref["losses"][4:]
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=0.05)
+    assert got["config"]["compression"] == "powersgd:1" and got["config"]["compression_warmup"] == 3
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
 def test_fsdp_cli_equals_single(world, tmp_path, single, strategy):
     pytest.importorskip("mpcomm.parallel.fsdp")

@@ -32,6 +32,7 @@ from ..nn.backend import array_module, to_numpy
 from . import fsdp_checkpoint
 from .fsdp_checkpoint import check_optimizer
 from .flat_param import FlatLayout
+from .grad_compression import parse_compression
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit, Groups, MemoryTracker, placeholder
 from .same_model import check_same_model
@@ -102,12 +103,23 @@ class FullyShardedDataParallel:
         copy it to the device to gather. With numpy parameters there is no device: it is a no-op
         (``self.cpu_offload_active`` is False).
     sync_module_states: broadcast rank 0's parameters before sharding (so every rank starts identical).
+    compression: only None. Compressing FSDP's gradient reduce-scatter with error feedback is not implemented: any
+        mode DDP takes raises NotImplementedError (a bad name, ConfigError as in DDP). A bf16/fp16 reduce-scatter
+        without error feedback is ``MixedPrecision(reduce_dtype=...)``.
     """
 
     def __init__(self, module: Module, comm: Communicator, sharding_strategy: str = "full_shard",
                  auto_wrap_policy: Any = None, mixed_precision: MixedPrecision | None = None,
                  backward_prefetch: str | None = "pre", forward_prefetch: bool = False,
-                 limit_all_gathers: bool = True, cpu_offload: bool = False, sync_module_states: bool = True):
+                 limit_all_gathers: bool = True, cpu_offload: bool = False, sync_module_states: bool = True,
+                 compression: str | None = None):
+        spec = parse_compression(compression)
+        if spec is not None:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel(compression={compression!r}): compressing FSDP's gradient reduce-scatter "
+                "with error feedback is not implemented (each rank would keep an error as large as every unit's "
+                "unsharded gradient); use DistributedDataParallel(compression=...), or "
+                "MixedPrecision(reduce_dtype=bfloat16) for a bf16 reduce-scatter without error feedback")
         if not isinstance(module, Module):
             raise TypeError(f"FullyShardedDataParallel wraps an mpcomm.nn.Module, got {type(module).__name__}")
         if not isinstance(comm, Communicator):
