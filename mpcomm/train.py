@@ -183,6 +183,7 @@ def train_data_parallel(comm, args, workload: Workload, dp: int) -> dict:
     opt = make_optimizer(args.optimizer, params, args.lr)
     index = 0 if engine is None else comm.rank
     losses: list[float] = []
+    step_seconds: list[float] = []
     timing = {"compute": 0.0, "communication": 0.0, "exposed_wait": 0.0, "other": 0.0, "total": 0.0}
     comm_before = _comm_seconds(comm)
     wait_before = 0.0
@@ -213,6 +214,7 @@ def train_data_parallel(comm, args, workload: Workload, dp: int) -> dict:
         timing["other"] += (t1 - t0) + (t3 - t2)
         timing["total"] += t3 - t0
         losses.append(loss)
+        step_seconds.append(t3 - t0)
         if comm.rank == 0:
             print(f"step {step:4d}  loss {loss:.12f}  time {1e3 * (t3 - t0):8.3f} ms", flush=True)
     timing["communication"] = _comm_seconds(comm) - comm_before
@@ -221,7 +223,9 @@ def train_data_parallel(comm, args, workload: Workload, dp: int) -> dict:
     if comm.rank == 0:
         print(f"param_checksum {checksum:.12f}")
         print(where_the_time_went(args.engine, args.steps, timing), flush=True)
-    return {"losses": losses, "param_checksum": checksum, "timing": timing}
+    choices = engine.compression_choices() if hasattr(engine, "compression_choices") else []
+    return {"losses": losses, "param_checksum": checksum, "timing": timing, "step_seconds": step_seconds,
+            "compression_choices": choices}
 
 
 def where_the_time_went(engine: str, steps: int, t: dict) -> str:
@@ -269,7 +273,8 @@ def run(argv: Sequence[str] | None = None, comm: Any = None) -> dict:
             result = train_model_parallel(comm, args, workload)
         out = {"losses": [float(v) for v in result["losses"]], "param_checksum": float(result["param_checksum"]),
                "engine": args.engine, "world": comm.size, "dp": dp, "tp": tp, "pp": pp,
-               "timing": result.get("timing", {}),
+               "timing": result.get("timing", {}), "step_seconds": result.get("step_seconds", []),
+               "compression_choices": result.get("compression_choices", []),
                "config": {k: v for k, v in vars(args).items() if k != "json"}}
         if args.json and comm.rank == 0:
             with open(args.json, "w") as fh:

@@ -509,6 +509,12 @@ class DistributedDataParallel:
         uninterrupted one; :func:`merge_states` turns every rank's state into one for another world size."""
         return None if self._compressor is None else self._compressor.state_dict(self._buckets)
 
+    def compression_choices(self) -> list[str]:
+        """What the last synchronizing step did per bucket, in bucket order ("exact", a wire, "powersgd")."""
+        if self._compressor is None:
+            return []
+        return [self._compressor.last_choice.get(b.index, "exact") for b in self._buckets]
+
     def load_compression_state_dict(self, state: dict) -> None:
         """Restore :meth:`compression_state_dict` (this rank's, or :func:`merge_states` of the saved ranks')."""
         if self._compressor is None:
