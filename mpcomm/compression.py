@@ -6,9 +6,9 @@
 lets an all-reduce cut the vector at block edges and still equal ``roundtrip`` of the whole.
 
 * ``bf16``: round to nearest even (ml_dtypes); NaN stays NaN, ±inf stays ±inf, finite values past bfloat16's
-  range (~3.39e38) become ±inf. Relative error ≤ 2^-9.
+  range (~3.39e38) become ±inf. Relative error ≤ 2^-8 (8 significant bits).
 * ``fp16``: round to nearest even (numpy); NaN and ±inf kept; |x| ≥ 65520 becomes ±inf, |x| < 2^-24 rounds to
-  0 (subnormals below 2^-14 lose relative precision). Relative error ≤ 2^-11 in the normal range.
+  0 (subnormals below 2^-14 lose relative precision). Relative error ≤ 2^-11 in the normal range (11 bits).
 * ``int8``: blocks of ``INT8_BLOCK`` elements; each block sends ``scale = absmax / 127`` (float32) and
   ``q = rint(x * (127 / absmax))`` as int8, decoded as ``q * scale``: absolute error ≤ absmax / 254 (plus
   float32 rounding). A block holding any NaN or ±inf is sent with a NaN scale and decodes to NaN throughout, so a
