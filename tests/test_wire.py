@@ -1,10 +1,13 @@
 """``comm.allreduce(buf, op, wire=...)``: the compressed all-reduce against numpy on the gathered inputs.
 
-The reference is the contract's: every rank's input put through the wire (bf16 / fp16: the ml_dtypes / numpy
-cast; int8: the codec, whose error bound ``test_compression.py`` checks), summed in float32 in rank order,
-divided by p for avg, put through the wire once more. The comparison is exact (bitwise): the algorithm reduces each
-chunk at one rank in rank order too, and cuts chunks at the codec's block edges. Bad input raises one clear
-error on every rank.
+The reference is the contract's (``mpcomm/algorithms/compressed.py``): the ranks fall into groups — the nodes
+when all hold the same number of ranks, else one rank each — and each group's float32 sum (rank order) is put
+through the wire (bf16 / fp16: the ml_dtypes / numpy cast; int8: the codec, whose error bound
+``test_compression.py`` checks), the groups' results summed in float32 in order, divided by p for avg, put through
+the wire once more. Nodes are simulated with ``ranks_per_node`` (None: the one host is one node; 1: one rank per
+node, so every rank's input is compressed; 2: two per node, or at p = 3 nodes of 2 and 1, one rank per group).
+The comparison is exact (bitwise): the algorithm adds in these orders too, and cuts chunks at the codec's block
+edges. Bad input raises one clear error on every rank.
 
 Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test_wire.py`` (N = 1..4).
 """
@@ -34,13 +37,33 @@ def on_the_wire(wire: str, x: np.ndarray) -> np.ndarray:
     return codec(wire).roundtrip(x)
 
 
-def reference(inputs: list[np.ndarray], op: str, wire: str) -> np.ndarray:
-    total = on_the_wire(wire, inputs[0].reshape(-1))
-    for x in inputs[1:]:
-        total += on_the_wire(wire, x.reshape(-1))
+def groups(ranks_per_node: int | None) -> list[list[int]]:
+    """The ranks whose float32 sum is compressed together (see the module docstring)."""
+    q = P if ranks_per_node is None else ranks_per_node
+    if P % q:
+        return [[r] for r in range(P)]
+    return [list(range(start, start + q)) for start in range(0, P, q)]
+
+
+def reference(inputs: list[np.ndarray], op: str, wire: str, ranks_per_node: int | None) -> np.ndarray:
+    flat = [x.reshape(-1) for x in inputs]
+    total = None
+    for group in groups(ranks_per_node):
+        partial = flat[group[0]].copy()
+        for r in group[1:]:
+            partial += flat[r]
+        sent = on_the_wire(wire, partial)
+        total = sent if total is None else total + sent
     if op == "avg":
         np.divide(total, len(inputs), out=total)
     return on_the_wire(wire, total).reshape(inputs[0].shape)
+
+
+@pytest.fixture(scope="module", params=[None, 1, 2], ids=lambda q: f"ranks_per_node={q}")
+def comm(request):
+    c = Communicator(WORLD, ranks_per_node=request.param)
+    yield c
+    c.free()
 
 
 def make(n: int, seed: int = 0, shape=None) -> np.ndarray:
@@ -61,7 +84,7 @@ def check(comm: Communicator, x: np.ndarray, op: str, wire: str, blocking: bool 
     everyone = run_gathered(run)
     outputs = [out for _, out in everyone]
     assert_bitwise_equal(outputs)
-    expected = reference([x for x, _ in everyone], op, wire)
+    expected = reference([x for x, _ in everyone], op, wire, comm.ranks_per_node)
     np.testing.assert_array_equal(outputs[0], expected)
 
 
