@@ -13,6 +13,8 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test
 """
 from __future__ import annotations
 
+import io
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -185,6 +187,16 @@ def test_mismatched_wire_caught_by_validate(theirs):
         c.free()
     for ok in outcomes:
         assert (ok == P).all()
+
+
+def test_bench_wire_rows_check_zero_wrong(comm):
+    from mpcomm.bench import run
+
+    rows = run(["-b", "4", "-e", "64K", "-f", "64", "-w", "1", "-n", "2", "--budget", "0.05", "--algorithms", "ring",
+                "--redop", "sum,avg", "--wire", ",".join(WIRES), "--check"], comm=comm, out=io.StringIO())
+    wired = [row for row in rows if row["algorithm"].startswith("wire:")]
+    assert len(wired) == 4 * 2 * 3  # sizes (4 B .. 64 KiB by 64) x ops x wires
+    assert all(row["wrong"] == 0 and row["identical"] for row in rows)
 
 
 def test_wire_in_stats(comm):
