@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import mpcomm.nn as nn
+from mpcomm.buffers import BFLOAT16
+from mpcomm.compression import codec
 from mpcomm.errors import ConfigError
 from mpcomm.parallel.ddp import DistributedDataParallel
 from mpcomm.parallel.grad_compression import merge_states, orthogonalize, parse_compression
@@ -314,3 +316,112 @@ def test_fsdp_compression_is_not_implemented(comm, compression):
         FullyShardedDataParallel(workload().model(), comm, compression=compression)
     with pytest.raises(ConfigError, match="compression must be None"):
         FullyShardedDataParallel(workload().model(), comm, compression="int4")
+
+
+# ------------------------------------------------------------------------------------------------ wires
+
+def on_the_wire(wire, x):
+    """What ``x`` becomes on the wire (bf16/fp16: round to nearest even; int8: the codec, per 256-block absmax)."""
+    if wire == "bf16":
+        return x.astype(BFLOAT16).astype(np.float32)
+    if wire == "fp16":
+        return x.astype(np.float16).astype(np.float32)
+    return codec(wire).roundtrip(x)
+
+
+def wired_average(inputs, wire, groups):
+    """allreduce(op="avg", wire=...)'s contract: each group's float32 sum (rank order) rounded once on the wire, the
+    groups' sums added in float32, divided by p, rounded once more."""
+    total = None
+    for group in groups:
+        partial = inputs[group[0]].copy()
+        for r in group[1:]:
+            partial += inputs[r]
+        sent = on_the_wire(wire, partial)
+        total = sent if total is None else total + sent
+    return on_the_wire(wire, total / np.float32(len(inputs)))
+
+
+@pytest.fixture(scope="module", params=[None, 1], ids=lambda q: f"ranks_per_node={q}")
+def wire_comm(request):
+    from mpi4py import MPI
+    from mpcomm import Communicator
+    c = Communicator(MPI.COMM_WORLD, ranks_per_node=request.param, timeout=COMM_TIMEOUT)
+    c.groups = [[r] for r in range(c.size)] if request.param == 1 else [list(range(c.size))]
+    yield c
+    c.free()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wire", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("cap_mb", [TINY_MB, 25.0])
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_wire_steps_match_numpy_on_the_gathered_gradients(wire_comm, wire, cap_mb, error_feedback):
+    comm, wl = wire_comm, workload("float32")
+    ddp = DistributedDataParallel(wl.model(), comm, bucket_cap_mb=cap_mb, compression=wire,
+                                  compression_warmup_steps=1, error_feedback=error_feedback)
+    opt = nn.SGD(ddp.parameters(), lr=0.05)
+    shapes = {n: p.shape for n, p in ddp.named_parameters()}
+    errors = [{n: np.zeros(s, np.float32) for n, s in shapes.items()} for _ in range(comm.size)]
+    for s in range(4):
+        everyone = gather_dicts(comm, local_grads(wl, ddp.full_state_dict(), s, comm.rank, comm.size))
+        x, y = wl.local_batch(s, comm.rank, comm.size)
+        pred, ctx = ddp.forward(x)
+        ddp.backward(nn.mse_loss(pred, y)[1], ctx)
+        got = dict(ddp.named_parameters())
+        names = list(shapes)
+        for bucket in ddp.buckets:  # int8's blocks run over the bucket: build each bucket as the engine does
+            members = [names[i] for i in bucket.members]
+            ins = [np.concatenate([e[n].astype(np.float32).ravel() for n in members]) for e in everyone]
+            if s == 0:  # the warm-up step: the exact average
+                want = sum(ins) / comm.size
+            else:
+                if error_feedback:
+                    ins = [x + np.concatenate([e[n].ravel() for n in members]) for x, e in zip(ins, errors)]
+                want = wired_average(ins, wire, comm.groups)
+            at = 0
+            for n in members:
+                size = int(np.prod(shapes[n]))
+                if s == 0:
+                    np.testing.assert_allclose(got[n].grad.ravel(), want[at: at + size], rtol=1e-6, atol=1e-8)
+                else:
+                    np.testing.assert_array_equal(got[n].grad.ravel(), want[at: at + size], err_msg=f"step {s} {n}")
+                    errors = [{**e, n: (x[at: at + size] - want[at: at + size]).reshape(shapes[n])}
+                              for e, x in zip(errors, ins)]
+                at += size
+        state = ddp.compression_state_dict()
+        if error_feedback and s > 0:
+            for n in shapes:
+                np.testing.assert_array_equal(state["error"][n], errors[comm.rank][n], err_msg=f"step {s} {n}")
+        else:
+            assert state["error"] == {}
+        opt.step()
+        ddp.zero_grad()
+    assert_same_on_all_ranks(comm, ddp.full_state_dict())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_error_feedback_makes_up_what_the_wire_lost(wire_comm, wire):
+    """Summed over the steps, the averaged gradients with EF are the exact ones' minus the mean of the ranks' last
+    errors (all that is still owed); without EF the rounding piles up further (the same batch and parameters every
+    step: the same rounding every step)."""
+    comm, wl = wire_comm, workload("float32")
+    sums, owed = {}, None
+    for ef in (None, True, False):
+        ddp = DistributedDataParallel(wl.model(), comm, compression=None if ef is None else wire,
+                                      compression_warmup_steps=0, error_feedback=bool(ef))
+        total = {n: np.zeros(p.shape) for n, p in ddp.named_parameters()}
+        for s in range(12):
+            x, y = wl.local_batch(0, comm.rank, comm.size)
+            pred, ctx = ddp.forward(x)
+            ddp.backward(nn.mse_loss(pred, y)[1], ctx)
+            for n, p in ddp.named_parameters():
+                total[n] += p.grad
+            ddp.zero_grad()
+        sums[ef] = np.concatenate([v.ravel() for v in total.values()])
+        if ef:
+            errors = ddp.compression_state_dict()["error"]
+            owed = sum(np.concatenate([e[n].ravel() for n in total]) for e in gather_dicts(comm, errors)) / comm.size
+    np.testing.assert_allclose(sums[True], sums[None] - owed, rtol=0, atol=2e-6 * np.abs(sums[None]).max())
+    assert np.abs(sums[True] - sums[None]).max() < np.abs(sums[False] - sums[None]).max()

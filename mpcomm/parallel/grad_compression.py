@@ -12,9 +12,13 @@ Modes (``DistributedDataParallel(compression=...)``, ``mpcomm-train --compressio
 * ``"auto"``: per bucket and step, the wire the communicator's cost model prices cheapest
   (:func:`mpcomm.compression.pays`), else exact; on one host that is always exact.
 
-Error feedback (as PowerSGD and 1-bit Adam do): each rank adds the error its compression left at the previous
-step to the new gradient before compressing, and keeps the new error: the compressed steps add up to the
-uncompressed ones. Warm-up: the first ``warmup_steps`` synchronizing steps are exact (and leave no error).
+Error feedback (as PowerSGD and 1-bit Adam do): each rank adds the error it kept at the previous step to the new
+gradient before compressing, and keeps as its new error what it sent minus the compressed average that came back
+(torch's PowerSGD hook's rule, for every mode). Summed over the ranks the errors are exactly p x (exact average -
+compressed average) — the ranks' own distances from the average cancel — so the next step's average makes up all
+this one lost, whatever the wire rounded: each rank's gradient, the node's sum, the sum's last encode. (A rank's
+own rounding, x - roundtrip(x), would miss the last two: they pile up where the gradients keep their sign.)
+Warm-up: the first ``warmup_steps`` synchronizing steps are exact (and leave no error).
 The state (step count, per-rank errors, PowerSGD's Q) is :meth:`GradCompressor.state_dict`: per parameter name,
 so it survives bucket rebuilds and loads under any bucketing; :func:`merge_states` reshards it to another world size.
 """
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..comm import Communicator
+from ..compression import WIRES
 from ..errors import ConfigError
 from ..nn.backend import array_module, to_numpy
 from ..work import Work
@@ -37,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CompressionSpec", "parse_compression", "GradCompressor", "merge_states", "DEFAULT_WARMUP_STEPS",
            "WIRES"]
 
-WIRES = ("bf16", "fp16", "int8")
+AUTO_WIRES = ("bf16", "int8")  # fp16 is left out: gradients past 65504 would become inf
 DEFAULT_WARMUP_STEPS = 10  # exact steps first: early gradients are large and change fast (torch's hook: 1000)
 MIN_COMPRESSION_RATE = 2.0  # torch's PowerSGDState default: compress a matrix only if it halves its bytes
 _POWERSGD = re.compile(r"powersgd:(\d+)")
@@ -123,15 +128,23 @@ class GradCompressor:
         return _cheapest_wire(self.comm, bucket.numel) or "exact"
 
     # -- error feedback --------------------------------------------------------------------------
-    def _add_error(self, bucket: "Bucket") -> Any:
-        """The bucket's gradients with last step's error added (in place); the error array, created at zero."""
+    def _feedback(self, bucket: "Bucket") -> Callable[[], None]:
+        """Add last step's error to the bucket's gradients (in place); returns what keeps this step's error once the
+        bucket holds the reduced result: what this rank sent minus what came back."""
+        if not self.spec.error_feedback:
+            return _nothing
         grads = bucket.buffer[: bucket.numel]
         error = self.errors.get(bucket.index)
         if error is None:
             error = self.errors[bucket.index] = array_module(grads).zeros_like(grads)
         else:
             grads += error
-        return error
+        sent = grads.copy()
+
+        def keep() -> None:
+            array_module(grads).subtract(sent, grads, out=error)
+
+        return keep
 
     def _flush_error(self, bucket: "Bucket") -> None:
         """An exact step sends any error left over (auto switched off): nothing remains to carry."""
@@ -141,18 +154,14 @@ class GradCompressor:
 
     # -- wires (mpcomm.compression) ----------------------------------------------------------------
     def _launch_wire(self, bucket: "Bucket", wire: str) -> Launch:
-        from ..compression import codec  # the codecs' layer; imported here so a missing build names itself
-
-        grads = bucket.buffer[: bucket.numel]
-        if self.spec.error_feedback:
-            error = self._add_error(bucket)
-            error[...] = grads - codec(wire).roundtrip(grads)
+        keep_error = self._feedback(bucket)
         tail_work = self.comm.iallreduce(bucket.tail, op="avg") if bucket.tail.size else None
-        work = self.comm.iallreduce(grads, op="avg", wire=wire)  # type: ignore[call-arg]
+        work = self.comm.iallreduce(bucket.buffer[: bucket.numel], op="avg", wire=wire)
 
         def finish() -> None:
             if tail_work is not None:
                 tail_work.wait()
+            keep_error()
 
         return work, finish
 
@@ -173,9 +182,7 @@ class GradCompressor:
 
     def _launch_powersgd(self, bucket: "Bucket") -> Launch:
         xp, dtype, size = array_module(bucket.buffer), bucket.dtype, self.comm.size
-        grads = bucket.buffer[: bucket.numel]
-        error = self._add_error(bucket) if self.spec.error_feedback else None
-        sent = grads.copy() if error is not None else None
+        keep_error = self._feedback(bucket)
         matrices, exact = [], []
         for i in bucket.members:
             dims = self._matrix(i)
@@ -220,8 +227,7 @@ class GradCompressor:
             for (i, mat, _), p, q in zip(matrices, ps, q_views):
                 xp.matmul(p, q.T, out=mat)
                 self.q[i] = q.copy()
-            if error is not None:
-                xp.subtract(sent, grads, out=error)
+            keep_error()
 
         return work, finish
 
@@ -293,6 +299,10 @@ def merge_states(states: Sequence[dict]) -> dict:
             "powersgd_q": dict(first["powersgd_q"])}
 
 
+def _nothing() -> None:
+    """No error to keep."""
+
+
 def orthogonalize(p: Any) -> Any:
     """Orthonormal columns spanning ``p``'s (Householder QR, signs fixed so the diagonal of R is >= 0)."""
     xp = array_module(p)
@@ -302,7 +312,8 @@ def orthogonalize(p: Any) -> Any:
 
 
 def _cheapest_wire(comm: Communicator, numel: int) -> str | None:
-    """The wire the cost model prices cheapest for a float32 all-reduce of ``numel`` elements, or None (exact)."""
-    from ..compression import choose_wire  # the pricing lives with the codecs
-
-    return choose_wire(comm, numel * 4)
+    """Of the wires ``auto`` may use, the one the communicator's cost model prices cheapest for a float32 all-reduce
+    of ``numel`` elements among those it says pay (``Selector.wire_pays``: one host never), or None (exact)."""
+    nbytes = 4 * numel
+    paying = [w for w in AUTO_WIRES if comm.selector.wire_pays(w, nbytes)]
+    return min(paying, key=lambda w: comm.selector.price_wire(w, nbytes)[0]) if paying else None
