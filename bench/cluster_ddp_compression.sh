@@ -8,12 +8,9 @@
 #   LOCAL=1 MODES="none auto" OUT=bench/results/compression_onehost.md bench/cluster_ddp_compression.sh  # one host
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/compression_ddp.md}
-RATE=${RATE:-1gbit}
-MODES=${MODES:-"none auto powersgd:16 powersgd:16/no-ef int8 int8/no-ef"}
-ROUNDS=${ROUNDS:-2}
-STEPS=${STEPS:-200}
-MODEL=${MODEL:-"--layers 2 --d-model 512 --d-hidden 2048 --global-batch 8 --dtype float32"}
+: "${OUT:=bench/results/compression_ddp.md}" "${RATE:=1gbit}" "${ROUNDS:=2}" "${STEPS:=200}"
+: "${MODES:=none auto int8 int8/no-ef powersgd:4 powersgd:4/no-ef}"
+: "${MODEL:=--layers 2 --d-model 512 --d-hidden 2048 --global-batch 8 --dtype float32 --optimizer adam --lr 0.001}"
 PY=${PYTHON:-$PWD/.venv/bin/python}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -47,18 +47,24 @@ def perturb_off_root(model, rank):
         p.data += 0.1 * rank
 
 
+def ddp_step(ddp, wl, step, opt):
+    """One training step of ``ddp`` on this rank's shard of batch ``step``; returns the local loss."""
+    xs, ys = wl.local_batch(step, ddp.comm.rank, ddp.comm.size)
+    pred, ctx = ddp.forward(xs)
+    loss, g = nn.mse_loss(pred, ys)
+    ddp.backward(g, ctx)
+    opt.step()
+    ddp.zero_grad()
+    return loss
+
+
 def train_ddp(comm, wl, steps, opt_name, **kwargs):
     model = wl.model()
     perturb_off_root(model, comm.rank)
     ddp = DistributedDataParallel(model, comm, **kwargs)
     opt = make_opt(opt_name, ddp.parameters())
     for step in range(steps):
-        xs, ys = wl.local_batch(step, comm.rank, comm.size)
-        pred, ctx = ddp.forward(xs)
-        _, g = nn.mse_loss(pred, ys)
-        ddp.backward(g, ctx)
-        opt.step()
-        ddp.zero_grad()
+        ddp_step(ddp, wl, step, opt)
     return ddp
 
 

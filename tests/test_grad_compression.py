@@ -20,6 +20,7 @@ from mpcomm.errors import ConfigError
 from mpcomm.parallel.ddp import DistributedDataParallel
 from mpcomm.parallel.grad_compression import merge_states, orthogonalize, parse_compression
 from mpcomm.workload import Workload
+from test_ddp import ddp_step
 
 COMM_TIMEOUT = 60
 TINY_MB = 600 / 2**20  # one or two parameters per bucket
@@ -71,16 +72,6 @@ def gather_dicts(comm, d):
             at += v.size
         out.append(item)
     return out
-
-
-def step(ddp, wl, s, comm, opt):
-    x, y = wl.local_batch(s, comm.rank, comm.size)
-    pred, ctx = ddp.forward(x)
-    loss, g = nn.mse_loss(pred, y)
-    ddp.backward(g, ctx)
-    opt.step()
-    ddp.zero_grad()
-    return loss
 
 
 # ------------------------------------------------------------------------------------------------ pure
@@ -143,7 +134,7 @@ def test_warm_up_is_exact_ddp(comm, compression, cap_mb):
         ddp = DistributedDataParallel(model, comm, bucket_cap_mb=cap_mb, **kwargs)
         opt = nn.Adam(ddp.parameters(), lr=0.01)
         for s in range(steps):
-            step(ddp, wl, s, comm, opt)
+            ddp_step(ddp, wl, s, opt)
         results.append(ddp.full_state_dict())
         if kwargs:
             state = ddp.compression_state_dict()
@@ -234,7 +225,7 @@ def train(comm, wl, compression, steps, *, start=None, cap_mb=TINY_MB, warmup=2,
         first = saved["compression"]["steps"]
     losses = []
     for s in range(first, steps):
-        losses.append(step(ddp, wl, s, comm, opt))
+        losses.append(ddp_step(ddp, wl, s, opt))
         if save_at == s + 1:
             np.savez(path, checkpoint=np.array({"model": ddp.state_dict(), "optimizer": opt.state_dict(),
                                                 "compression": ddp.compression_state_dict()}, dtype=object))
@@ -425,3 +416,22 @@ def test_error_feedback_makes_up_what_the_wire_lost(wire_comm, wire):
             owed = sum(np.concatenate([e[n].ravel() for n in total]) for e in gather_dicts(comm, errors)) / comm.size
     np.testing.assert_allclose(sums[True], sums[None] - owed, rtol=0, atol=2e-6 * np.abs(sums[None]).max())
     assert np.abs(sums[True] - sums[None]).max() < np.abs(sums[False] - sums[None]).max()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("cap_mb", [TINY_MB, 25.0])
+def test_auto_is_off_on_one_host(comm, cap_mb):
+    """One host: no wire pays, so ``auto`` is plain DDP, bitwise, and says so per bucket."""
+    wl = workload("float32")
+    results = []
+    for compression in (None, "auto"):
+        ddp = DistributedDataParallel(wl.model(), comm, bucket_cap_mb=cap_mb, compression=compression,
+                                      compression_warmup_steps=0)
+        opt = nn.Adam(ddp.parameters(), lr=0.01)
+        for s in range(3):
+            ddp_step(ddp, wl, s, opt)
+        results.append(ddp.full_state_dict())
+    assert ddp.compression_choices() == ["exact"] * len(ddp.buckets)
+    assert ddp.compression_state_dict()["error"] == {}
+    for n in results[0]:
+        assert np.array_equal(results[0][n], results[1][n]), n
