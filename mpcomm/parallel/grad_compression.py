@@ -292,7 +292,7 @@ def merge_states(states: Sequence[dict]) -> dict:
     for s in states[1:]:
         if s["mode"] != first["mode"] or s["steps"] != first["steps"] or set(s["error"]) != set(first["error"]):
             raise ValueError("merge_states: the ranks' states disagree on mode, steps or parameters")
-    error = {n: sum(np.asarray(s["error"][n], dtype=np.float64) for s in states) / len(states)
+    error = {n: np.mean([np.asarray(s["error"][n], dtype=np.float64) for s in states], axis=0)
              for n in first["error"]}
     return {"mode": first["mode"], "steps": first["steps"],
             "error": {n: e.astype(np.asarray(first["error"][n]).dtype) for n, e in error.items()},
