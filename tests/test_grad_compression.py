@@ -233,10 +233,10 @@ def train(comm, wl, compression, steps, *, start=None, cap_mb=TINY_MB, warmup=2,
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("compression", ["powersgd:2"])
+@pytest.mark.parametrize("compression, dtype", [("powersgd:2", "float64"), ("int8", "float32"), ("bf16", "float32")])
 @pytest.mark.parametrize("save_at", [1, 3])
-def test_resumed_run_equals_the_uninterrupted_one_bitwise(comm, tmp_path, compression, save_at):
-    wl, steps = workload(), 6
+def test_resumed_run_equals_the_uninterrupted_one_bitwise(comm, tmp_path, compression, dtype, save_at):
+    wl, steps = workload(dtype), 6
     path = str(tmp_path / f"rank{comm.rank}.npz")
     whole, _ = train(comm, wl, compression, steps, save_at=save_at, path=path)
     resumed, _ = train(comm, wl, compression, steps, start=path)
