@@ -120,3 +120,8 @@ def test_ddp_compression_tiny(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| none") or line.startswith("| powersgd")]
     assert len(rows) == 2 and "1.00 [1.00, 1.00]" in rows[0] and rows[1].endswith("| powersgd |"), rows
+
+
+def test_ddp_auto_onehost_tiny():
+    out = _run("bench/ddp_auto_onehost.py", "--steps", "3", "--repeats", "1", "--d-model", "8", "--d-hidden", "16")
+    assert "auto/none over 1 repeats of 3 interleaved steps" in out and "auto chose ['exact']" in out, out
