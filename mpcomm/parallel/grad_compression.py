@@ -136,13 +136,13 @@ class GradCompressor:
         grads = bucket.buffer[: bucket.numel]
         error = self.errors.get(bucket.index)
         if error is None:
-            error = self.errors[bucket.index] = array_module(grads).zeros_like(grads)
+            error = self.errors[bucket.index] = grads.copy()
         else:
-            grads += error
-        sent = grads.copy()
+            error += grads  # the error's buffer holds what is sent until the result is back: no allocation per step
+            grads[...] = error
 
         def keep() -> None:
-            array_module(grads).subtract(sent, grads, out=error)
+            error[...] -= grads
 
         return keep
 
