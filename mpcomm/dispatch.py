@@ -19,12 +19,13 @@ collectives' argument checks and buffer handling stay in ``mpcomm.comm``. See ``
 """
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -36,6 +37,7 @@ from .algorithms.chunks import count_matrix
 from .buffers import AVG, check_dtype_op, reduce_op, wire_dtype
 from .errors import CollectiveMismatchError, MpcommError
 from .plan import Plan
+from .trace.timeline import NO_SPAN, NoSpan, Span, Timeline
 from .transport import Transport, created
 from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
 
@@ -231,14 +233,45 @@ class Dispatcher:
             t.records.clear()
 
     # ------------------------------------------------------------------ the flight recorder
-    def _start_trace(self, capacity: int, base: MPI.Comm) -> None:
+    def _start_trace(self, capacity: int, base: MPI.Comm, timeline: str = "") -> None:
         """Give the transports their lanes of this process's flight recorder (``capacity`` 0: none, recording
         off): blocking collectives and point-to-point, and the non-blocking collectives, each numbered in its
-        own order (the same on every rank)."""
+        own order (the same on every rank). ``timeline`` (MPCOMM_TIMELINE): the file of the timeline that the
+        process's first Communicator over the whole world starts, written when the interpreter exits."""
         recorder = trace.process_recorder(capacity)
         lanes = recorder.communicator(base, self.timeout, ("", "async")) if recorder is not None else (None, None)
         self._sync.trace, self._async.trace = lanes
         self._trace = self._sync.trace
+        if timeline and recorder is not None and not recorder.timelines and self.size == recorder.world_size:
+            atexit.register(Timeline(base, self.timeout, timeline, recorder).stop_at_exit)
+
+    def timeline(self, path: str) -> Timeline:
+        """Start recording a timeline of this process's calls (every Communicator's), to be written to ``path``
+        as Chrome-trace / Perfetto JSON by rank 0 of this communicator when it stops (``with comm.timeline(path):``,
+        or ``.stop()``). Collective: measures the clock offsets between the ranks (see ``docs/trace.md``)."""
+        if self._trace is None:
+            raise MpcommError(f"rank {self.rank}: timeline({path!r}): the flight recorder is off "
+                              "(MPCOMM_TRACE_BUFFER=0), and the timeline follows its lanes")
+        return Timeline(self._base, self.timeout, path, self._trace.recorder)
+
+    def span(self, name: str, **args: Any) -> Span | NoSpan:
+        """An engine's span of work on this communicator for the timeline (a ``with`` block, or ``.end()``):
+        a DDP bucket's all-reduce, an FSDP unit's gather. Nothing is measured when no timeline records."""
+        trace = self._trace
+        timeline = None if trace is None else trace.timeline
+        return NO_SPAN if timeline is None else timeline.span(trace, name, args)
+
+    def add_spans(self, spans: Sequence[tuple[str, float, float]]) -> None:
+        """Engine spans measured already, ``(name, start, end)`` in ``time.perf_counter()`` seconds (the
+        pipeline's actions), for the timeline; dropped when none records."""
+        trace = self._trace
+        if trace is not None and trace.timeline is not None:
+            trace.timeline.add_spans(trace, spans)
+
+    @property
+    def recording_timeline(self) -> bool:
+        """Whether a timeline records this communicator's calls (engines skip measuring spans otherwise)."""
+        return self._trace is not None and self._trace.timeline is not None
 
     def dump_trace(self, path: str | None = None) -> str:
         """Write this rank's flight-recorder dump (the last ``MPCOMM_TRACE_BUFFER`` calls of every Communicator of

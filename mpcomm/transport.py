@@ -10,6 +10,7 @@ import os
 import pickle
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
@@ -42,6 +43,7 @@ _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS = 8, 2
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
 _BYTES = MPI.BYTE
 COMMUNICATORS_HELD = 4  # MPI communicators each Communicator makes (see Communicator.__init__)
+_NO_PHASE = nullcontext()  # what phase() gives when no timeline records (reusable: it holds nothing)
 _LATE = ("no Communicator was made here; this rank's MPI_Comm_idup of the communicator stays pending and completes "
          "when those ranks make their Communicator too (every rank must, before its next collective on it)")
 
@@ -85,6 +87,13 @@ class Transport:
     def running(self, operation: object) -> "_Running":
         """Name the operation in progress (a ``with`` block), so that errors raised underneath can say what ran."""
         return _Running(self, operation)
+
+    def phase(self, name: str) -> AbstractContextManager:
+        """Mark a phase of the algorithm running here (a ``with`` block: ``"reduce-scatter"``, ``"all-gather"``)
+        for the timeline (``mpcomm.trace.timeline``); nothing is measured when no timeline records."""
+        trace = self.trace
+        timeline = None if trace is None else trace.timeline
+        return _NO_PHASE if timeline is None else timeline.phase(trace, name)
 
     def limited(self, seconds: float) -> "_Limited":
         """Bound every wait of a ``with`` block by ``seconds`` too (``Work.wait(timeout)`` of an operation that

@@ -179,13 +179,6 @@ def test_buffer_zero_turns_it_off(monkeypatch):
     comm.free()
 
 
-@pytest.mark.mpi
-def test_the_timeline_is_not_built_and_says_so(monkeypatch):
-    monkeypatch.setenv("MPCOMM_TIMELINE", "steps.json")
-    with pytest.raises(NotImplementedError, match="MPCOMM_TIMELINE='steps.json': the timeline is not built yet"):
-        Communicator(WORLD, timeout=10.0)
-
-
 _SIGNALS = """
 import os, pickle, signal, sys
 mode, directory = sys.argv[1], sys.argv[2]
