@@ -105,6 +105,7 @@ class Communicator(Dispatcher):
                 t.share_cores()
         self._start_dispatch()
         self._start_trace(settings.trace_buffer, base, settings.timeline)
+        self._start_stragglers(settings.straggler)
         self.selector = Selector.default(self, probe=settings.network_probe)
         if settings.tuning_file:
             self.load_tuning(settings.tuning_file, missing_ok=True)

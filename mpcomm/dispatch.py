@@ -37,6 +37,7 @@ from .algorithms.chunks import count_matrix
 from .buffers import AVG, check_dtype_op, reduce_op, wire_dtype
 from .errors import CollectiveMismatchError, MpcommError
 from .plan import Plan
+from .trace.stragglers import Stragglers
 from .trace.timeline import NO_SPAN, NoSpan, Span, Timeline
 from .transport import Transport, created
 from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
@@ -44,6 +45,7 @@ from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
 _clock = time.perf_counter  # (a module-level name: one lookup less on every call)
 _PROTOCOL = Plan.meeting("protocol channel")
 _SIZE_FOR_AUTO = Plan.sum_of_int64("all_to_all_v: the ranks agree on the bytes auto decides from")
+_NO_BYTES = np.empty(0, dtype=np.uint8)
 PLAN_CACHE_SIZE = 1024  # plans kept (one per dtype, shape, op, algorithm and root)
 
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
@@ -65,7 +67,6 @@ class Dispatcher:
     rank: int
     size: int
     timeout: float
-    validate: bool
     selector: Selector
     _sync: Transport
     _async: Transport
@@ -73,6 +74,30 @@ class Dispatcher:
     _base: MPI.Comm
     _progress: str
     _trace: "trace.GroupTrace | None"  # the flight recorder's lane of the blocking calls (see _start_trace)
+    _stragglers: Stragglers | None = None  # MPCOMM_STRAGGLER: the reports of late ranks (see _agree)
+    _meet = False  # whether the ranks exchange before every collective: validate, or straggler detection
+
+    @property
+    def validate(self) -> bool:
+        """Whether the ranks compare every call before running it (``validate=True``)."""
+        return self._validate
+
+    @validate.setter
+    def validate(self, value: bool) -> None:
+        self._validate = value
+        self._meet = value or self._stragglers is not None
+
+    def _start_stragglers(self, threshold: float) -> None:
+        """``threshold`` > 0 (MPCOMM_STRAGGLER, seconds): report ranks that come that much later than the others
+        (``mpcomm.trace.stragglers``); the ranks then meet before every collective, as with validate=True."""
+        self._stragglers = Stragglers(threshold) if threshold > 0 else None
+        self._meet = self._validate or self._stragglers is not None
+
+    def stragglers(self) -> dict:
+        """The late ranks seen so far (``MPCOMM_STRAGGLER``; the same on every rank): ``threshold_s``,
+        ``late_calls`` (rank -> collectives it came late to) and the last ``reports`` (rank, seconds late,
+        sequence number, operation, lane). Empty when detection is off."""
+        return {} if self._stragglers is None else self._stragglers.summary()
 
     def _start_dispatch(self) -> None:
         self._protocols: dict[str, Transport] = {}  # see protocol_transport
@@ -151,7 +176,7 @@ class Dispatcher:
                 trace.groups[slot] = trace
                 trace.calls[slot] = plan
                 trace.starts[slot] = start
-            if self.validate:
+            if self._meet:  # (validate=True, or straggler detection: the ranks exchange first)
                 self._agree(t, plan, counts)
                 start = _clock()  # (stats time the algorithm alone)
             plan.fn(t, *buffers)
@@ -324,7 +349,7 @@ class Dispatcher:
         comparing calls, what was rejected (they raise CollectiveMismatchError naming it at once, rather than
         wait for this rank until the timeout). Ranks that all rejected the same arguments agree, and each
         raises its own error."""
-        if self.validate and self._unusable is None and not isinstance(exc, MpcommError):
+        if self._validate and self._unusable is None and not isinstance(exc, MpcommError):
             try:
                 self._agree(t, Plan.rejected(operation, exc), None)
             except MpcommError:
@@ -364,8 +389,20 @@ class Dispatcher:
         """validate=True: the ranks compare their calls' digests (the whole signature, any length); on a
         difference every rank raises, listing what each passed. ``counts`` (all_to_all_v: send and receive
         counts) are checked for consistency (what rank i sends rank j is what j expects from i)."""
-        everyone = np.empty((self.size, plan.digest.size), dtype=np.uint8)
-        t.wait([t.mpi.Iallgather(plan.digest, everyone)], t.others)
+        stragglers = self._stragglers
+        mine = plan.digest if self._validate else _NO_BYTES
+        if stragglers is not None:  # plus this rank's wait at the previous exchange here (mpcomm.trace.stragglers)
+            mine = np.concatenate((mine, np.array([t.previous_wait]).view(np.uint8)))
+        everyone = np.empty((self.size, mine.size), dtype=np.uint8)
+        entered = _clock()
+        t.wait([t.mpi.Iallgather(mine, everyone)], t.others)
+        if stragglers is not None:
+            t.previous_wait = _clock() - entered
+            stragglers.arrived(everyone[:, -8:].copy().view(np.float64).ravel(), t.previous_call, t.trace)
+            t.previous_call = (None if t.trace is None else t.trace.collectives, plan)
+            if not self._validate:
+                return
+            everyone = everyone[:, :-8]
         if not (everyone == plan.digest).all():
             calls = t.allgather_object(plan.signature)
             described = "; ".join(f"rank {r}: {json.dumps(call, sort_keys=True)}" for r, call in enumerate(calls))
@@ -417,7 +454,7 @@ class Dispatcher:
         try:
             self._check_rank(root, "root", operation)
         except ValueError as exc:
-            if self.validate or self._unusable is not None:
+            if self._validate or self._unusable is not None:
                 raise  # validate=True: _rejected tells every rank at once, and nothing is left in flight
             self._unusable = (f"{operation} was called with root {root!r} on this rank, and other ranks may have run it "
                               "with another root, leaving messages for this rank that a later call would take")

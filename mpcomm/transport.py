@@ -73,6 +73,10 @@ class Transport:
         # Called while this transport waits: progress of point-to-point receives (see ``mpcomm.p2p.Channels``).
         self.progress_hook: Callable[[], None] | None = None
         self.trace: GroupTrace | None = None  # the flight recorder's lane of the collectives run here
+        # straggler detection (mpcomm.trace.stragglers): this rank's wait in the previous exchange before a
+        # collective here, and that collective (its sequence number in the lane, its label)
+        self.previous_wait = 0.0
+        self.previous_call: tuple | None = None
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
         self.spins_before_yield, self.quick_tests = _SPINS_BEFORE_YIELD, _QUICK_TESTS
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes

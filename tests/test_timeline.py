@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,11 @@ SCHEMA = {
              "properties": {"name": {"type": "string", "minLength": 1}, "cat": {"type": "string"},
                             "ph": {"const": "X"}, "ts": _NUMBER, "dur": _NUMBER, "pid": {"type": "integer"},
                             "tid": {"type": "integer"}, "args": {"type": "object"}}},
+            {"type": "object", "additionalProperties": False,
+             "required": ["name", "cat", "ph", "s", "ts", "pid", "tid", "args"],
+             "properties": {"name": {"type": "string", "minLength": 1}, "cat": {"type": "string"},
+                            "ph": {"const": "i"}, "s": {"enum": ["t", "p", "g"]}, "ts": _NUMBER,
+                            "pid": {"type": "integer"}, "tid": {"type": "integer"}, "args": {"type": "object"}}},
             {"type": "object", "additionalProperties": False, "required": ["name", "ph", "pid", "tid", "args"],
              "properties": {"name": {"enum": ["process_name", "process_sort_index", "thread_name",
                                               "thread_sort_index"]},
@@ -230,3 +236,37 @@ def test_mpcomm_timeline_writes_the_file_at_exit(tmp_path):
 def test_spans_that_overlap_without_nesting_go_on_rows_of_their_own():
     #        [0, 10) holds [1, 3) and [4, 9) holds [5, 6); [8, 12) overlaps [4, 9) and [0, 10) partly
     assert _rows([(0, 10), (1, 3), (4, 9), (5, 6), (8, 12), (11, 13), (12, 14)]) == [0, 0, 0, 0, 1, 0, 1]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_comes_late_is_reported_in_the_stats_the_dump_and_the_timeline(monkeypatch):
+    monkeypatch.setenv("MPCOMM_STRAGGLER", "0.1")
+    comm = Communicator(WORLD, timeout=60.0, validate=False)
+    late, path, directory = P - 1, shared_path("late.json"), shared_path("dumps")
+    with comm.timeline(path):
+        for i in range(6):
+            if comm.rank == late and i == 3:
+                time.sleep(0.4)
+            comm.allreduce(np.ones(4))
+    seq = comm._trace.collectives - 2  # the fourth of the six
+    found = comm.stragglers()
+    mine = [r for r in found["reports"] if r["rank"] == late and r["seq"] == seq]
+    assert len(mine) == 1 and 0.2 < mine[0]["late_s"] < 5 and mine[0]["operation"] == "allreduce", found
+    assert found["late_calls"][late] >= 1 and found["threshold_s"] == 0.1
+    everyone = WORLD.allgather([(r["rank"], r["seq"]) for r in found["reports"]])
+    assert all(reports == everyone[0] for reports in everyone)  # the same reports on every rank
+    with open(comm.dump_trace(directory), "rb") as f:
+        reports = pickle.load(f)["mpcomm"]["stragglers"][comm._trace.name]
+    assert any(r["rank"] == late and r["seq"] == seq for r in reports)
+    if comm.rank == 0:
+        moments = [e for e in load_strictly(path)["traceEvents"] if e["ph"] == "i"]
+        assert {e["pid"] for e in moments if e["args"]["rank"] == late and e["args"]["seq"] == seq} == set(range(P))
+    comm.free()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("value", ["-1", "soon", "inf"])
+def test_a_bad_straggler_threshold_is_one_error_on_every_rank(value, monkeypatch):
+    monkeypatch.setenv("MPCOMM_STRAGGLER", value)
+    with pytest.raises(ConfigError, match=f"MPCOMM_STRAGGLER={value!r}"):
+        Communicator(WORLD, timeout=10.0)

@@ -26,11 +26,19 @@ def trace_events(ranks: Sequence[dict], starts: Sequence[Offset], stops: Sequenc
         events.append(_meta("process_name", pid, 0, {"name": f"rank {pid} ({records['host']})"}))
         events.append(_meta("process_sort_index", pid, 0, {"sort_index": pid}))
         by_track: dict[str, list] = {}
+        moments = []
         for track, name, category, start, end, args in records["rows"]:
+            if end is None:  # an instant (a straggler report): drawn on the track's first row
+                moments.append((track, name, category, _us(convert(start) - origin), args))
+                continue
             by_track.setdefault(track, []).append(
                 (_us(convert(start) - origin), _us(convert(end) - origin), name, category, args))
+        for track, _, _, _, _ in moments:
+            by_track.setdefault(track, [])
+        first_row = {}
         first = 1  # the tid of the track's first row
         for track in sorted(by_track):
+            first_row[track] = first
             spans = sorted(by_track[track], key=lambda s: (s[0], -s[1]))
             rows = _rows([(s[0], s[1]) for s in spans])
             for row in range(max(rows) + 1):
@@ -41,6 +49,8 @@ def trace_events(ranks: Sequence[dict], starts: Sequence[Offset], stops: Sequenc
                 events.append({"name": name, "cat": category, "ph": "X", "ts": start, "dur": round(end - start, 3),
                                "pid": pid, "tid": first + row, "args": args})
             first += max(rows) + 1
+        events.extend({"name": name, "cat": category, "ph": "i", "s": "t", "ts": moment, "pid": pid,
+                       "tid": first_row[track], "args": args} for track, name, category, moment, args in moments)
     offsets = [{"rank": records["world_rank"], "start_us": _us(a.seconds), "stop_us": _us(b.seconds),
                 "error_us": _us(max(a.error, b.error))} for records, a, b in zip(ranks, starts, stops)]
     return {"traceEvents": events, "displayTimeUnit": "ms",

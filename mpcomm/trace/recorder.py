@@ -13,6 +13,7 @@ stack). Writing a dump is local: it never waits for another rank.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import math
 import os
 import pickle
@@ -32,6 +33,7 @@ _clock = time.perf_counter
 DEFAULT_BUFFER = 2000  # calls kept per process (MPCOMM_TRACE_BUFFER): ~80 KB; its cost: docs/trace.md
 FILE_PREFIX = "mpcomm_trace_rank_"
 TORCH_FORMAT_VERSION = "2.10"  # the flight-recorder dump version of torch 2.14 (fr_trace checks it is "M.m")
+LATE_KEPT = 100  # straggler reports kept per lane for the dump
 FRAMES_KEPT = 32  # innermost frames of a stack written per entry / thread
 # torch's names for the operations (its fr_trace matches collectives by them); the prefix names the library
 _TORCH_NAMES = {"allreduce": "all_reduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
@@ -130,6 +132,7 @@ class FlightRecorder:
             "mpcomm": {"reason": reason, "world_rank": self.world_rank, "world_size": self.world_size,
                        "host": socket.gethostname(), "pid": os.getpid(), "time_ns": time.time_ns(),
                        "capacity": self.capacity, "recorded": total,
+                       "stragglers": {g.name: list(g.late) for g in self.lanes if g.late},
                        "stacks": {names.get(ident, str(ident)): _frames(f) for ident, f in threads.items()}},
         }
 
@@ -191,7 +194,7 @@ class GroupTrace:
     record (:meth:`started`, :meth:`started_p2p`, :meth:`completed`)."""
 
     __slots__ = ("recorder", "pg_id", "name", "desc", "ranks", "rank", "timeout", "collectives", "p2p",
-                 "groups", "calls", "starts", "ends", "slots", "timeline")
+                 "groups", "calls", "starts", "ends", "slots", "timeline", "late")
 
     def __init__(self, recorder: FlightRecorder, pg_id: int, name: str, ranks: tuple[int, ...], rank: int,
                  timeout: float):
@@ -203,6 +206,7 @@ class GroupTrace:
         self.groups, self.calls, self.starts = recorder.groups, recorder.calls, recorder.starts
         self.ends, self.slots = recorder.ends, recorder.slots
         self.timeline: Any = None  # the Timeline recording this lane's spans, if one runs (see follow)
+        self.late: deque[dict] = deque(maxlen=LATE_KEPT)  # straggler reports (mpcomm.trace.stragglers)
 
     def follow(self, timeline) -> None:
         """Record this lane's spans for ``timeline`` (None: stop): its ``ends`` becomes the timeline's

@@ -46,6 +46,7 @@ class Timeline:
         self.transport = Transport(duplicate(mpi_comm, timeout), timeout)
         self.calls: list[tuple] = []  # (lane, plan or point-to-point description, start, end, lane's calls so far)
         self.spans: list[tuple] = []  # (lane, track suffix, name, start, end, args): phases and engine spans
+        self.instants: list[tuple] = []  # (lane, name, time, args)
         self.written: str | None = None
         with self.transport.running(f"timeline({self.path!r}): measuring the clock offsets"):
             self.offsets = clocks.measure(self.transport)
@@ -70,6 +71,10 @@ class Timeline:
         """An engine's span (a bucket's all-reduce, a unit's gather), on the lane's ``engine`` track; started
         now, ended by :meth:`Span.end` or the end of a ``with`` block."""
         return Span(self.spans, lane, " engine", name, args or {})
+
+    def instant(self, lane: GroupTrace, name: str, args: dict) -> None:
+        """A moment on the lane's track (a straggler report), now."""
+        self.instants.append((lane, name, _clock(), args))
 
     def add_spans(self, lane: GroupTrace, spans: Iterable[tuple[str, float, float]]) -> None:
         """Engine spans measured already: ``(name, start, end)`` with ``time.perf_counter()`` readings."""
@@ -130,6 +135,8 @@ class Timeline:
             rows.append((lane.name, operation, "collective", start, end, args))
         for lane, track, name, start, end, args in self.spans:
             rows.append((lane.name + track, name, "engine" if track else "phase", start, end, args))
+        for lane, name, moment, args in self.instants:  # (a moment: a span that ends where it starts)
+            rows.append((lane.name, name, "straggler", moment, None, args))
         return {"world_rank": self.recorder.world_rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "rows": rows}
 
