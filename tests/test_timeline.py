@@ -263,10 +263,3 @@ def test_a_rank_that_comes_late_is_reported_in_the_stats_the_dump_and_the_timeli
         assert {e["pid"] for e in moments if e["args"]["rank"] == late and e["args"]["seq"] == seq} == set(range(P))
     comm.free()
 
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("value", ["-1", "soon", "inf"])
-def test_a_bad_straggler_threshold_is_one_error_on_every_rank(value, monkeypatch):
-    monkeypatch.setenv("MPCOMM_STRAGGLER", value)
-    with pytest.raises(ConfigError, match=f"MPCOMM_STRAGGLER={value!r}"):
-        Communicator(WORLD, timeout=10.0)

@@ -162,10 +162,12 @@ def test_the_ring_keeps_the_last_calls_and_the_stack_of_the_one_in_flight(comm):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("value", ["-1", "many", "1.5"])
-def test_a_bad_buffer_size_is_one_error_on_every_rank(value, monkeypatch):
-    monkeypatch.setenv("MPCOMM_TRACE_BUFFER", value)
-    with pytest.raises(ConfigError, match=f"MPCOMM_TRACE_BUFFER={value!r}"):
+@pytest.mark.parametrize("variable, value", [("MPCOMM_TRACE_BUFFER", "-1"), ("MPCOMM_TRACE_BUFFER", "many"),
+                                             ("MPCOMM_TRACE_BUFFER", "1.5"), ("MPCOMM_STRAGGLER", "-1"),
+                                             ("MPCOMM_STRAGGLER", "soon"), ("MPCOMM_STRAGGLER", "inf")])
+def test_a_bad_buffer_size_or_straggler_threshold_is_one_error_on_every_rank(variable, value, monkeypatch):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"{variable}={value!r}"):
         Communicator(WORLD, timeout=10.0)
 
 
