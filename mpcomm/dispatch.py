@@ -45,7 +45,6 @@ from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
 _clock = time.perf_counter  # (a module-level name: one lookup less on every call)
 _PROTOCOL = Plan.meeting("protocol channel")
 _SIZE_FOR_AUTO = Plan.sum_of_int64("all_to_all_v: the ranks agree on the bytes auto decides from")
-_NO_BYTES = np.empty(0, dtype=np.uint8)
 PLAN_CACHE_SIZE = 1024  # plans kept (one per dtype, shape, op, algorithm and root)
 
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
@@ -267,6 +266,10 @@ class Dispatcher:
         lanes = recorder.communicator(base, self.timeout, ("", "async")) if recorder is not None else (None, None)
         self._sync.trace, self._async.trace = lanes
         self._trace = self._sync.trace
+        if recorder is not None:  # a point-to-point wait that times out (blocking or a Work's) dumps too
+            rank = self.rank
+            self._p2p.timed_out = lambda exc: recorder.dump_quietly(f"CommTimeoutError in {exc.operation} "
+                                                                    f"(rank {rank})")
         if timeline and recorder is not None and not recorder.timelines and self.size == recorder.world_size:
             atexit.register(Timeline(base, self.timeout, timeline, recorder).stop_at_exit)
 
@@ -390,18 +393,15 @@ class Dispatcher:
         difference every rank raises, listing what each passed. ``counts`` (all_to_all_v: send and receive
         counts) are checked for consistency (what rank i sends rank j is what j expects from i)."""
         stragglers = self._stragglers
-        mine = plan.digest if self._validate else _NO_BYTES
-        if stragglers is not None:  # plus this rank's wait at the previous exchange here (mpcomm.trace.stragglers)
+        if stragglers is not None and not self._validate:  # this rank's wait at the previous exchange here
+            self._exchange_waits(t, plan, np.array([t.previous_wait]), np.empty(self.size))
+            return
+        mine = plan.digest
+        if stragglers is not None:  # the digest, then the wait's 8 bytes (mpcomm.trace.stragglers)
             mine = np.concatenate((mine, np.array([t.previous_wait]).view(np.uint8)))
         everyone = np.empty((self.size, mine.size), dtype=np.uint8)
-        entered = _clock()
-        t.wait([t.mpi.Iallgather(mine, everyone)], t.others)
+        self._exchange_waits(t, plan, mine, everyone)
         if stragglers is not None:
-            t.previous_wait = _clock() - entered
-            stragglers.arrived(everyone[:, -8:].copy().view(np.float64).ravel(), t.previous_call, t.trace)
-            t.previous_call = (None if t.trace is None else t.trace.collectives, plan)
-            if not self._validate:
-                return
             everyone = everyone[:, :-8]
         if not (everyone == plan.digest).all():
             calls = t.allgather_object(plan.signature)
@@ -412,6 +412,20 @@ class Dispatcher:
             _, problem = count_matrix(t, *counts)
             if problem:
                 raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: {problem}")
+
+    def _exchange_waits(self, t: Transport, plan: Plan, mine: np.ndarray, everyone: np.ndarray) -> None:
+        """All-gather ``mine`` into ``everyone`` (bounded by the deadline); with straggler detection, time this
+        rank's wait in it and hand every rank's previous wait (the last 8 bytes of each row) to the reports."""
+        stragglers = self._stragglers
+        if stragglers is None:
+            t.wait([t.mpi.Iallgather(mine, everyone)], t.others)
+            return
+        entered = _clock()
+        t.wait([t.mpi.Iallgather(mine, everyone)], t.others)
+        t.previous_wait = _clock() - entered
+        waits = everyone if everyone.dtype == np.float64 else everyone[:, -8:].copy().view(np.float64).ravel()
+        stragglers.arrived(waits.tolist(), t.previous_call, t.trace)
+        t.previous_call = (None if t.trace is None else t.trace.collectives, plan)
 
     def _agreed_choice(self, t: Transport, operation: str, nbytes: int, dtype) -> str:
         """auto's algorithm for a call whose bytes differ between ranks by nature (all_to_all_v): the one for the

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import WORLD, mpiexec_path, serial_only
+from conftest import LAUNCHED, WORLD, mpiexec_path
 
 import mpcomm.nn as nn
 from mpcomm import Communicator, ConfigError, MpcommError
@@ -222,7 +222,7 @@ for _ in range(3):
 """
 
 
-@serial_only
+@pytest.mark.skipif(LAUNCHED, reason="launches mpiexec itself; run it in the serial pytest pass")
 def test_mpcomm_timeline_writes_the_file_at_exit(tmp_path):
     path = tmp_path / "exit.json"
     proc = subprocess.run(["timeout", "120", mpiexec_path(), "-n", "2", sys.executable, "-c", _AT_EXIT],

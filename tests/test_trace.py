@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import WORLD, run_gathered, serial_only
 
-from mpcomm import Communicator, ConfigError, MpcommError
+from mpcomm import CommTimeoutError, Communicator, ConfigError, MpcommError
 from mpcomm.trace import FlightRecorder
 from mpcomm.trace.analyze import analyze
 
@@ -140,6 +140,21 @@ def test_point_to_point_is_recorded():
     comm.send(np.ones(2), peer, tag=9)
     started_only.wait()
     comm.free()
+
+
+@pytest.mark.mpi
+def test_a_non_blocking_receive_whose_wait_times_out_dumps(monkeypatch):
+    directory = shared_dir()
+    monkeypatch.setenv("MPCOMM_TRACE_DIR", directory)
+    comm = Communicator(WORLD, timeout=30.0)
+    never = comm.irecv(np.empty(2), comm.rank, tag=11)  # nobody sends it
+    with pytest.raises(CommTimeoutError):
+        never.wait(timeout=0.2)
+    with open(os.path.join(directory, f"mpcomm_trace_rank_{WORLD.Get_rank()}"), "rb") as f:
+        dump = pickle.load(f)
+    assert dump["mpcomm"]["reason"].startswith("CommTimeoutError in recv"), dump["mpcomm"]["reason"]
+    assert dump["entries"][-1]["profiling_name"] == f"mpcomm:recv {comm.rank}<-{comm.rank}"
+    comm.free(failed=True)
 
 
 @pytest.mark.mpi

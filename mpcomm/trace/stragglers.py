@@ -16,8 +16,6 @@ import time
 from collections import deque
 from typing import Any
 
-import numpy as np
-
 REPORTS_KEPT = 1000  # reports kept per communicator (the counts per rank cover all of them)
 
 
@@ -29,15 +27,15 @@ class Stragglers:
         self.reports: deque[dict] = deque(maxlen=REPORTS_KEPT)
         self.late_calls: dict[int, int] = {}  # rank -> collectives at which it was reported
 
-    def arrived(self, waits: np.ndarray, previous: tuple[Any, Any] | None, lane: Any) -> None:
+    def arrived(self, waits: list[float], previous: tuple[Any, Any] | None, lane: Any) -> None:
         """``waits[r]``: rank r's wait in the previous exchange of a transport whose collective was ``previous``
         (its sequence number in ``lane``, or None without the flight recorder, and its Plan); record a report
         if one rank came more than the threshold after all the others."""
-        if previous is None or waits.size < 2:
+        if previous is None or len(waits) < 2:
             return
-        last = int(np.argmin(waits))
-        others = np.delete(waits, last)
-        late = float(others.min() - waits[last])
+        least = min(waits)
+        last = waits.index(least)
+        late = min(w for r, w in enumerate(waits) if r != last) - least
         if late <= self.threshold:
             return
         seq, plan = previous
