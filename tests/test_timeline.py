@@ -24,6 +24,7 @@ from conftest import LAUNCHED, WORLD, mpiexec_path
 import mpcomm.nn as nn
 from mpcomm import Communicator, ConfigError, MpcommError
 from mpcomm.parallel.ddp import DistributedDataParallel
+from mpcomm.trace.analyze import analyze, load
 from mpcomm.trace.chrome import _rows
 from mpcomm.workload import Workload
 
@@ -258,6 +259,11 @@ def test_a_rank_that_comes_late_is_reported_in_the_stats_the_dump_and_the_timeli
     with open(comm.dump_trace(directory), "rb") as f:
         reports = pickle.load(f)["mpcomm"]["stragglers"][comm._trace.name]
     assert any(r["rank"] == late and r["seq"] == seq for r in reports)
+    WORLD.Barrier()  # (every rank's dump written)
+    if comm.rank == 0:
+        said = "\n".join(analyze(load(directory)).lines)
+        assert f"rank {late} came " in said and f" after the others to #{seq} allreduce[" in said, said
+        print(said)
     if comm.rank == 0:
         moments = [e for e in load_strictly(path)["traceEvents"] if e["ph"] == "i"]
         assert {e["pid"] for e in moments if e["args"]["rank"] == late and e["args"]["seq"] == seq} == set(range(P))
