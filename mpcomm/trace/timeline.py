@@ -106,9 +106,13 @@ class Timeline:
 
     def stop_at_exit(self) -> None:
         """:meth:`stop` at the interpreter's exit (``MPCOMM_TIMELINE``): a failure is a warning, not a crash."""
+        if MPI.Is_finalized():
+            warnings.warn(f"MPCOMM_TIMELINE: the timeline {self.path!r} was not written: MPI was finalized before "
+                          "the interpreter's exit", RuntimeWarning)
+            return
         try:
             self.stop()
-        except (MpcommError, OSError) as exc:
+        except (MpcommError, OSError, MPI.Exception) as exc:
             warnings.warn(f"MPCOMM_TIMELINE: the timeline {self.path!r} was not written: {exc}", RuntimeWarning)
 
     def __enter__(self) -> "Timeline":
