@@ -31,6 +31,9 @@ _DLPACK_HOST = (1, 3)
 _DLPACK_CUDA = (2, 13)
 
 
+_EXACT_HALVING = (np.dtype(np.float32), np.dtype(np.float64))  # where ``avg`` may multiply by 1/p when p is 2**k
+
+
 @dataclass(frozen=True)
 class ReduceOp:
     """A reduction: numpy ufunc applied in place (``ufunc(a, b, out=a)``) and the matching MPI op.
@@ -54,7 +57,12 @@ class ReduceOp:
 
     def finish(self, array) -> None:
         """In place: the last step of a reduction on a finished result (the division of ``avg``)."""
-        if self.divisor != 1 and array.size:
+        if self.divisor == 1 or not array.size:
+            return
+        if self.divisor & (self.divisor - 1) == 0 and array.dtype in _EXACT_HALVING:
+            # x * 2**-k is x / 2**k bit for bit (both are that real number, correctly rounded); a multiply is cheaper
+            np.multiply(array, 1.0 / self.divisor, out=array)
+        else:
             np.divide(array, self.divisor, out=array)
 
 

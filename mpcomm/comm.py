@@ -206,14 +206,15 @@ class Communicator(Dispatcher):
         return True
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto") -> Any:
-        """Reduce ``buf`` over all ranks, in place; returns ``buf``."""
-        plan = self._ready_allreduce(buf, op, algorithm)
+    def allreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto", wire: str | None = None) -> Any:
+        """Reduce ``buf`` over all ranks, in place; returns ``buf``. ``wire`` ("bf16", "fp16", "int8"; float32
+        buffers, op sum or avg) sends it compressed and accumulates in float32 (``mpcomm.compression``)."""
+        plan = self._ready_allreduce(buf, op, algorithm) if wire is None else None
         if plan is not None:
             self.run(plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop)
             return buf
         try:
-            self._allreduce(self._sync, buf, op, algorithm)
+            self._allreduce(self._sync, buf, op, algorithm, wire)
         except (TypeError, ValueError) as exc:
             self._rejected(self._sync, "allreduce", exc)
         return buf
@@ -260,9 +261,9 @@ class Communicator(Dispatcher):
     # ------------------------------------------------------------------ non-blocking collectives
     # Each starts the blocking form's body on the progress thread; ``wait()`` returns what the blocking form
     # returns, and raises what it raises (argument errors included).
-    def iallreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto") -> Work:
+    def iallreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto", wire: str | None = None) -> Work:
         """Start an all-reduce on the progress thread; ``wait()`` returns ``buf``."""
-        return self._submit("allreduce", self._allreduce_returning, buf, op, algorithm)
+        return self._submit("allreduce", self._allreduce_returning, buf, op, algorithm, wire)
 
     def ireduce_scatter(self, sendbuf: Any, recvbuf: Any, op: str = SUM, algorithm: str = "auto") -> Work:
         return self._submit("reduce_scatter", self._reduce_scatter, sendbuf, recvbuf, op, algorithm)
@@ -365,13 +366,16 @@ class Communicator(Dispatcher):
                     return plan
         return None
 
-    def _allreduce(self, t: Transport, buf, op, algorithm) -> None:
-        plan = self._ready_allreduce(buf, op, algorithm)
+    def _allreduce(self, t: Transport, buf, op, algorithm, wire=None) -> None:
+        plan = self._ready_allreduce(buf, op, algorithm) if wire is None else None
         if plan is not None:
             self.run(plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop, transport=t)
             return
         array = as_output(buf, "allreduce")
-        plan = self.plan("allreduce", array, op, algorithm)
+        if wire is None:
+            plan = self.plan("allreduce", array, op, algorithm)
+        else:
+            plan = self.compressed_plan(array, op, algorithm, wire)
         with WorkArray(array, plan.wire) as work:
             self.run(plan, work, plan.rop, transport=t)
 
@@ -457,8 +461,8 @@ class Communicator(Dispatcher):
     def _barrier_on(self, t: Transport) -> None:
         self.run(_BARRIER, transport=t)
 
-    def _allreduce_returning(self, t: Transport, buf, op, algorithm):
-        self._allreduce(t, buf, op, algorithm)
+    def _allreduce_returning(self, t: Transport, buf, op, algorithm, wire=None):
+        self._allreduce(t, buf, op, algorithm, wire)
         return buf
 
     def _check_pair(self, operation, send, recv, got, want, got_name, want_name) -> None:

@@ -19,6 +19,7 @@ collectives' argument checks and buffer handling stay in ``mpcomm.comm``. See ``
 """
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -30,10 +31,11 @@ import numpy as np
 from mpi4py import MPI
 
 from . import p2p, staging, trace
-from .algorithms import KEEP_LOW_PRECISION, REGISTRY
+from .algorithms import KEEP_LOW_PRECISION, REGISTRY, compressed
 from .algorithms.auto import Selector
 from .algorithms.chunks import count_matrix
-from .buffers import AVG, check_dtype_op, reduce_op, wire_dtype
+from .buffers import AVG, SUM, check_dtype_op, reduce_op, wire_dtype
+from .compression import codec
 from .errors import CollectiveMismatchError, MpcommError
 from .plan import Plan
 from .transport import Transport, created
@@ -124,6 +126,30 @@ class Dispatcher:
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = plan
         return plan
+
+    def compressed_plan(self, array: Any, op: str, algorithm: str, wire: str) -> Plan:
+        """The plan of an all-reduce of ``array`` sent as ``wire`` (a codec of ``mpcomm.compression``; see
+        ``algorithms/compressed.py``). Local checks, before any communication: a known wire, a host float32 array
+        (float64 too is refused rather than silently narrowed), op sum or avg, algorithm auto."""
+        try:
+            wire_codec = codec(wire)
+        except ValueError as exc:
+            raise ValueError(f"allreduce: {exc}") from None
+        described = f"allreduce with wire={wire!r}"
+        if algorithm != "auto":
+            raise ValueError(f"{described} runs the compressed algorithm: pass algorithm='auto', not algorithm "
+                             f"{algorithm!r}")
+        if type(array) is not np.ndarray:
+            raise TypeError(f"{described}: the codecs run on host numpy arrays; got a {type(array).__module__} "
+                            f"{type(array).__name__}")
+        if array.dtype != np.float32:
+            raise TypeError(f"{described}: the buffer must be float32 (the codecs encode float32 and accumulate in "
+                            f"float32), got {array.dtype} of shape {array.shape}; cast it, or pass wire=None")
+        if reduce_op(op, "allreduce").name not in (SUM, AVG):
+            raise TypeError(f"{described}: op {op!r} is not supported with a lossy wire; use 'sum' or 'avg', or "
+                            "wire=None")
+        base = self.plan("allreduce", array, op, "direct")
+        return base.compressed(wire, functools.partial(compressed.allreduce, codec=wire_codec))
 
     def run(self, plan: Plan, *buffers: Any, transport: Transport | None = None, counts: tuple | None = None,
             record: bool = True) -> None:

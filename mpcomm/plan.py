@@ -81,6 +81,18 @@ class Plan:
         plan.fn = fn
         return plan
 
+    def compressed(self, wire: str, fn: Callable[..., Any]) -> "Plan":
+        """This all-reduce plan sent through the codec ``wire`` by ``fn(transport, buf, rop)``: algorithm
+        ``compressed:WIRE`` in stats and labels, and the wire in the signature (``validate=True`` compares it)."""
+        plan = copy.copy(self)
+        plan.algorithm = f"compressed:{wire}"
+        if self.fn is not _nothing:
+            plan.fn = fn
+        plan.key = (self.operation, plan.algorithm)
+        plan.signature = {**self.signature, "algorithm": plan.algorithm, "wire": wire}
+        plan.label, plan._digest = _Label(plan), None
+        return plan
+
     @property
     def digest(self) -> np.ndarray:
         """16 bytes that stand for the whole signature (compared between ranks when validate=True)."""

@@ -76,10 +76,12 @@ class Transport:
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
         # The MPI library's persistent collectives made on this communicator, with their buffers (algorithms/native)
         self.persistent_requests: dict = {}
+        self.cores_shared = False  # set on every rank alike (the communicator's topology is agreed)
 
     def share_cores(self) -> None:
         """This rank shares its core with other ranks: yield it sooner while waiting."""
         self.spins_before_yield, self.quick_tests = _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS
+        self.cores_shared = True
 
     # ------------------------------------------------------------------ context for error messages
     def running(self, operation: object) -> "_Running":

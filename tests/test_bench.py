@@ -432,6 +432,10 @@ def test_count_wrong_values():
     (["--root", "99"], "out of range"),
     (["--budget", "0"], "must be > 0"),
     (["--rounds", "0"], "must be >= 1"),
+    (["--wire", "fp8"], "unknown wire(s) ['fp8']"),
+    (["--op", "reduce", "--wire", "bf16"], "--wire applies to --op allreduce, not reduce"),
+    (["--wire", "int8", "--dtype", "float64"], "compresses float32 sum/avg only"),
+    (["--wire", "int8", "--redop", "max"], "compresses float32 sum/avg only"),
 ])
 def test_bad_flags_give_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -79,6 +79,25 @@ def test_reduce_op_applies_in_place(op):
     assert out is a and np.array_equal(a, expected)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.complex64])
+@pytest.mark.parametrize("size", [2, 3, 4, 8, 1024, 6])
+def test_avg_finish_is_the_division_bit_for_bit(dtype, size):
+    """avg's last step multiplies by 1/p where p is a power of two: the bits must be those of the division."""
+    info = np.finfo(dtype)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, info.max, -info.max, info.tiny, info.tiny / 4, -info.tiny / 3,
+               info.smallest_subnormal, 1.0, -3.0, 1 / 3]
+    rng = np.random.default_rng(size)
+    exponents = rng.integers(info.minexp - info.nmant, info.maxexp, 4096)  # subnormals to the largest
+    with np.errstate(all="ignore"):
+        values = np.concatenate([np.array(special, dtype=dtype),
+                                 np.ldexp(rng.uniform(-1, 1, 4096), exponents).astype(dtype)])
+    finished = values.copy()
+    with np.errstate(all="ignore"):
+        expected = np.divide(values, size)
+        buffers.OPS[AVG].averaged(size).finish(finished)
+    np.testing.assert_array_equal(finished.view(f"u{finished.itemsize}"), expected.view(f"u{expected.itemsize}"))
+
+
 def test_bool_min_max_on_the_wire_are_and_or():
     x, y = np.array([0, 0, 1, 1], np.uint8), np.array([0, 1, 0, 1], np.uint8)
     assert list(reduce_op(MIN)(x.copy(), y)) == [0, 0, 0, 1]

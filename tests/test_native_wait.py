@@ -7,16 +7,20 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from conftest import WORLD, gather, in_step, make_input
+from mpi4py import MPI
 from test_collectives import LARGE, LARGE_CASES, PAIRS, check_allreduce, pair_id, small_sizes
 from test_timeouts import TIMEOUT, assert_every_waiting_rank_timed_out, with_silent_rank
 
 from mpcomm import Communicator
 from mpcomm.algorithms import native
 from mpcomm.errors import CollectiveMismatchError
-from mpcomm.mpi_library import WAYS, forced
+from mpcomm.mpi_library import WAYS, forced, library
+from mpcomm.transport import Transport
 
 pytestmark = pytest.mark.mpi
 
@@ -103,3 +107,16 @@ def test_persistent_requests_are_kept_per_kind_and_freed(monkeypatch):
     np.testing.assert_allclose(everyone[0], np.sum(inputs, axis=0), rtol=1e-12)
     assert all(e.tobytes() == everyone[0].tobytes() for e in everyone)
     assert kept == {}, "free() left persistent requests behind"
+
+
+def test_the_blocking_way_is_left_where_ranks_share_cores():
+    """A blocking call spins: the shipped profiles meet and block only where no rank shares its core; a forced
+    meet+blocking (benchmarks, the tests above) blocks everywhere."""
+    t = Transport(MPI.COMM_SELF, 5.0)
+    shipped = replace(library(), blocking_above=1024)
+    assert native.meets_then_blocks(t, shipped, 1025) and not native.meets_then_blocks(t, shipped, 1024)
+    t.share_cores()
+    assert not native.meets_then_blocks(t, shipped, 1 << 20)
+    assert native.meets_then_blocks(t, forced("meet+blocking"), 8)
+    assert not native.meets_then_blocks(t, forced("nonblocking"), 1 << 20)
+

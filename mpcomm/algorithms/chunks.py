@@ -37,3 +37,10 @@ def count_matrix(t, send_counts, recv_counts) -> tuple[np.ndarray, str | None]:
         return sends, None
     i, j = (int(x[0]) for x in np.nonzero(sends != recvs.T))
     return sends, f"rank {i} sends {sends[i, j]} elements to rank {j}, which expects {recvs[j, i]}"
+
+
+def aligned_bounds(n: int, p: int, block: int) -> list[tuple[int, int]]:
+    """``chunk_bounds`` over whole blocks of ``block`` elements (the last block may be short): a codec that
+    encodes per block encodes each chunk as it would the whole vector."""
+    blocks = -(-n // block)
+    return [(min(lo * block, n), min(hi * block, n)) for lo, hi in chunk_bounds(blocks, p)]

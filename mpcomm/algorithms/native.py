@@ -20,7 +20,7 @@ from mpi4py import MPI
 from ..buffers import MAX, MIN, ReduceOp
 from ..errors import CollectiveMismatchError
 from ..kernels import KEY_DTYPES, from_keys, to_keys
-from ..mpi_library import library
+from ..mpi_library import Library, library
 from ..transport import Transport
 
 _MIN_MAX = (MIN, MAX)
@@ -117,11 +117,17 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp) -> None:
                     t.poll_until(request.Test, t.others)  # and MPICH aborts on MPI_Cancel of a persistent collective)
                 buf[...] = own
                 return
-        if profile.blocking_above is not None and buf.nbytes > profile.blocking_above:
+        if meets_then_blocks(t, profile, buf.nbytes):
             _meet(t, buf, op)
             t.mpi.Allreduce(MPI.IN_PLACE, buf, op.mpi)
             return
     _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi))
+
+
+def meets_then_blocks(t: Transport, profile: Library, nbytes: int) -> bool:
+    """Whether an all-reduce of ``nbytes`` on ``t`` meets, then makes the blocking call (the same on every rank)."""
+    return (profile.blocking_above is not None and nbytes > profile.blocking_above
+            and (profile.blocking_on_shared_cores or not t.cores_shared))
 
 
 def _wait(t: Transport, request) -> None:

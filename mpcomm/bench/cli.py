@@ -16,8 +16,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..buffers import SUPPORTED_DTYPES, check_dtype_op
+from ..compression import WIRES
 from ..errors import ConfigError
 from ..launch import ArgumentParser, root_outputs_problem, run_main
+from .allreduce import WIRE_ROW
 from .driver import (BLOCK_SECONDS, COLLECTIVES, SweepSpec, memcpy_bandwidth, sizes, sweep, timed_algorithms,
                      tty_progress)
 from .report import footer_lines, format_row, header_lines, plot, write_json
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=_positive_float, default=None,
                         help="Communicator timeout in seconds (default: MPCOMM_TIMEOUT or 30)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the check inputs (default 1234)")
+    parser.add_argument("--wire", type=_names, default=[],
+                        help=f"comma list of {', '.join(WIRES)}: allreduce only (float32, sum/avg); also time "
+                             "allreduce(wire=W) as rows named 'wire:W', beside the float32 rows")
     return parser
 
 
@@ -123,7 +128,7 @@ def make_sweep_spec(parser: argparse.ArgumentParser, args: argparse.Namespace, w
         if name not in available:
             parser.error(f"--algorithms: {name!r} is not registered for {args.op}; "
                          f"available: {', '.join(available)}")
-    algorithms = list(dict.fromkeys(algorithms))
+    algorithms = list(dict.fromkeys(algorithms)) + _wire_rows(parser, args)
     if args.minbytes > args.maxbytes:
         parser.error(f"-b/--minbytes ({args.minbytes}) is larger than -e/--maxbytes ({args.maxbytes})")
     if not 0 <= args.root < world_size:
@@ -169,6 +174,22 @@ def make_sweep_spec(parser: argparse.ArgumentParser, args: argparse.Namespace, w
         combos=combos, warmup=args.warmup, iters=args.iters, budget=args.budget, rounds=args.rounds, check=args.check,
         root=args.root, seed=args.seed, skipped=skipped,
     )
+
+
+def _wire_rows(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The rows ``--wire`` adds (``WIRE_ROW`` + name), after checking it applies to --op, --dtype and --redop."""
+    if not args.wire:
+        return []
+    unknown = [w for w in args.wire if w not in WIRES]
+    if unknown:
+        parser.error(f"--wire: unknown wire(s) {unknown}; choose from {', '.join(WIRES)}")
+    if args.op != "allreduce":
+        parser.error(f"--wire applies to --op allreduce, not {args.op}")
+    others = [d for d in args.dtype if _ALIASES.get(d.lower(), d.lower()) != "float32"]
+    wrong_ops = [r for r in args.redop if r.lower() not in ("sum", "avg")]
+    if others or wrong_ops:
+        parser.error(f"--wire compresses float32 sum/avg only; drop --dtype {others} / --redop {wrong_ops}")
+    return [WIRE_ROW + w for w in dict.fromkeys(args.wire)]
 
 
 def run(argv: Sequence[str] | None = None, comm=None, out: TextIO | None = None) -> list[dict]:

@@ -236,7 +236,7 @@ def _describe(what, group: GroupTrace):
     inputs, outputs = {"reduce_scatter": ([whole], [block]), "all_gather": ([block], [whole]),
                        "gather": ([block], [whole]), "scatter": ([whole], [block])}.get(
         operation, ([block], [block]) if shape is not None else ([], []))
-    extra = {key: signature[key] for key in ("op", "root") if signature.get(key) is not None}
+    extra = {key: signature[key] for key in ("op", "root", "wire") if signature.get(key) is not None}
     return operation, what.algorithm, what.nbytes, inputs, outputs, dtype, extra, None
 
 

@@ -24,7 +24,8 @@ from conftest import WORLD, assert_bitwise_equal, gather, in_step
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from mpcomm.integrations.torch import extension  # noqa: E402
+from mpcomm.integrations.torch import allreduce, extension  # noqa: E402
+from mpcomm.mpi_library import forced  # noqa: E402
 from torch_backend.groups import backend_of, fail_on_rank0_then_destroy  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -169,6 +170,19 @@ def test_a_tensor_that_requires_grad_is_reduced_in_place(pg):
         dist.all_reduce(weight)
     expected = np.sum([t.numpy() for t in inputs(5, torch.float32)], axis=0)
     assert np.array_equal(weight.detach().numpy(), expected)
+
+
+@pytest.mark.mpi
+@several
+def test_where_native_meets_then_blocks_the_cpp_path_steps_aside(pg, monkeypatch):
+    """The C++ all-reduce only polls a non-blocking call: where the library's profile has native meet the other
+    ranks and block (Open MPI above 128 KiB), the call runs through Python's native instead, and is right."""
+    monkeypatch.setattr(allreduce, "library", lambda: forced("meet+blocking"))
+    everyone = inputs(37, torch.float32, salt=7)
+    tensor = everyone[RANK].clone()
+    assert backend_of(pg)._native_plan(tensor, sync_opts()) is None
+    dist.all_reduce(tensor)
+    assert np.array_equal(tensor.numpy(), np.sum([t.numpy() for t in everyone], axis=0))
 
 
 @pytest.mark.mpi

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ...algorithms import REGISTRY
+from ...algorithms import REGISTRY, native
 from ...buffers import AVG, OPS
 from ...comm import Communicator
+from ...mpi_library import library
 from .lane import Lane
 from .pages import MIN_BYTES as HUGE_PAGES_FROM, HugePages
 from .tensors import Reduction, as_numpy, as_reducible, direct_reduction, reduction, same_layout, unpack
@@ -115,6 +116,8 @@ class AllreducePaths:
         array = tensor.detach().numpy().reshape(-1)
         plan = self.comm.plan("allreduce", array, red.name, self.algorithm)
         if plan.fn is not REGISTRY["allreduce"]["native"] or not plan.direct or plan.rop.divisor != 1:
+            return None
+        if native.meets_then_blocks(self.comm.transport, library(), array.nbytes):  # (the C++ call only polls)
             return None
         return plan.running(self._native_run)
 
