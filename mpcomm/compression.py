@@ -21,6 +21,8 @@ from typing import Protocol
 import ml_dtypes
 import numpy as np
 
+from .kernels import LOADED, Kernels, _Loaded, address, load
+
 WIRES = ("bf16", "fp16", "int8")
 INT8_BLOCK = 256  # elements per int8 scale: 1.6 % of the int8 bytes, and a block's absmax tracks local magnitude
 _FLOAT32 = np.dtype(np.float32)
@@ -42,6 +44,8 @@ class Codec(Protocol):
 
     def roundtrip(self, x: np.ndarray) -> np.ndarray: ...
 
+    def using(self, kernels: Kernels | None) -> "Codec": ...
+
 
 def codec(name: str) -> Codec:
     """The codec called ``name`` (one of ``WIRES``); ValueError naming the choices otherwise."""
@@ -52,10 +56,24 @@ def codec(name: str) -> Codec:
 
 
 class _Base:
-    """Argument checks and the operations every codec derives from encode/decode."""
+    """Argument checks and the operations every codec derives from its passes. ``kernels``: the compiled passes
+    (``mpcomm.kernels``; the default loads them) or None for the numpy forms, which give the same bytes."""
 
     name: str
     block: int
+
+    def __init__(self, kernels: Kernels | _Loaded | None = LOADED):
+        self._kernels = kernels
+
+    @property
+    def kernels(self) -> Kernels | None:
+        if self._kernels is LOADED:
+            self._kernels = load()
+        return self._kernels
+
+    def using(self, kernels: Kernels | None) -> "Codec":
+        """This codec with the compiled passes ``kernels`` (None: the numpy forms)."""
+        return type(self)(kernels)
 
     def wire_nbytes(self, n: int) -> int:
         raise NotImplementedError
@@ -63,7 +81,7 @@ class _Base:
     def _encode(self, x: np.ndarray, out: np.ndarray) -> None:
         raise NotImplementedError
 
-    def _decode(self, payload: np.ndarray, out: np.ndarray) -> None:
+    def _decode(self, payload: np.ndarray, out: np.ndarray, accumulate: bool) -> None:
         raise NotImplementedError
 
     def encode(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -81,18 +99,20 @@ class _Base:
 
     def decode(self, payload: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out`` (contiguous 1-D float32) <- the values ``payload`` stands for; returns ``out``."""
-        _check_float32(f"{self.name}.decode", out, "out")
-        _check_payload(f"{self.name}.decode", payload, self.wire_nbytes(out.size), out.size)
-        if out.size:
-            self._decode(payload, out)
-        return out
+        return self._decoded(payload, out, False)
 
     def accumulate(self, payload: np.ndarray, acc: np.ndarray) -> np.ndarray:
         """``acc`` += the values ``payload`` stands for, in float32 (one rounding per element, as ``decode``
         then ``+`` gives); returns ``acc``."""
-        decoded = self.decode(payload, np.empty(acc.size, _FLOAT32))
-        np.add(acc, decoded, out=acc)
-        return acc
+        return self._decoded(payload, acc, True)
+
+    def _decoded(self, payload, out, accumulate: bool):
+        what = f"{self.name}.{'accumulate' if accumulate else 'decode'}"
+        _check_float32(what, out, "acc" if accumulate else "out")
+        _check_payload(what, payload, self.wire_nbytes(out.size), out.size)
+        if out.size:
+            self._decode(payload, out, accumulate)
+        return out
 
     def roundtrip(self, x: np.ndarray) -> np.ndarray:
         """``decode(encode(x))``: what ``x`` becomes on the wire (error feedback keeps ``x - roundtrip(x)``)."""
@@ -106,19 +126,36 @@ class _Cast(_Base):
     """A 16-bit float wire: each element cast (round to nearest even) and cast back."""
 
     block = 1
-
-    def __init__(self, name: str, dtype):
-        self.name, self.dtype = name, np.dtype(dtype)
+    dtype: np.dtype
+    kind: int  # kernels.c's FLOAT16 / BFLOAT16
 
     def wire_nbytes(self, n: int) -> int:
         return 2 * n
 
     def _encode(self, x, out) -> None:
+        k = self.kernels
+        if k is not None:
+            k.encode16(self.kind, address(x), address(out), x.size)
+            return
         with np.errstate(over="ignore"):  # (past the range is ±inf, as documented)
             out.view(self.dtype)[...] = x
 
-    def _decode(self, payload, out) -> None:
-        out[...] = payload.view(self.dtype)
+    def _decode(self, payload, out, accumulate: bool) -> None:
+        k = self.kernels
+        if k is not None:
+            k.decode16(self.kind, address(payload), address(out), out.size, int(accumulate))
+        elif accumulate:
+            np.add(out, payload.view(self.dtype).astype(_FLOAT32), out=out)
+        else:
+            out[...] = payload.view(self.dtype)
+
+
+class _BFloat16(_Cast):
+    name, dtype, kind = "bf16", np.dtype(ml_dtypes.bfloat16), 1
+
+
+class _Float16(_Cast):
+    name, dtype, kind = "fp16", np.dtype(np.float16), 0
 
 
 class _Int8(_Base):
@@ -138,6 +175,10 @@ class _Int8(_Base):
 
     def _encode(self, x, out) -> None:
         scales, q = self._split(out, x.size)
+        k = self.kernels
+        if k is not None:
+            k.encode_int8(address(x), x.size, self.block, address(scales), address(q))
+            return
         full = x.size // self.block * self.block
         blocks = [x[:full].reshape(-1, self.block)] + ([x[full:].reshape(1, -1)] if full < x.size else [])
         absmax = np.concatenate([np.abs(b).max(axis=1) for b in blocks])
@@ -155,13 +196,20 @@ class _Int8(_Base):
             scaled[~np.repeat(finite, self.block)[: x.size]] = 0
         q[...] = scaled
 
-    def _decode(self, payload, out) -> None:
+    def _decode(self, payload, out, accumulate: bool) -> None:
         scales, q = self._split(payload, out.size)
-        np.multiply(q, np.repeat(scales, self.block)[: out.size], out=out)
+        k = self.kernels
+        if k is not None:
+            k.decode_int8(address(scales), address(q), out.size, self.block, address(out), int(accumulate))
+            return
+        values = np.multiply(q, np.repeat(scales, self.block)[: out.size], dtype=_FLOAT32)
+        if accumulate:
+            np.add(out, values, out=out)
+        else:
+            out[...] = values
 
 
-_CODECS: dict[str, Codec] = {"bf16": _Cast("bf16", ml_dtypes.bfloat16), "fp16": _Cast("fp16", np.float16),
-                             "int8": _Int8()}
+_CODECS: dict[str, Codec] = {"bf16": _BFloat16(), "fp16": _Float16(), "int8": _Int8()}
 
 
 def _check_float32(operation: str, array, name: str) -> None:

@@ -3,8 +3,12 @@
  * reduce16: float16 / bfloat16 chunks combined in float32 and rounded once, in one pass over the inputs.
  * float_keys / from_keys: float32 / float64 as integers that sort like the floats (MPI's integer MIN/MAX then
  * give numpy's NaN propagation and one answer on every rank), in one pass each way.
- * Every conversion is bitwise the one numpy / ml_dtypes make (round to nearest even; NaN stays NaN).
+ * encode16 / decode16 / encode_int8 / decode_int8: the wire codecs of mpcomm/compression.py.
+ * Every conversion is bitwise the one numpy / ml_dtypes make (round to nearest even; NaN stays NaN); built with
+ * -ffp-contract=off, so a multiply then add rounds twice, as numpy's two passes do.
  */
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __F16C__
@@ -125,5 +129,67 @@ void from_keys64(int64_t *bits, int64_t n) {
         int64_t k = bits[i];
         int64_t b = k ^ ((k >> 63) & INT64_MAX);
         bits[i] = (b & INT64_MAX) > 0x7ff0000000000000LL ? 0x7ff8000000000000LL : b;
+    }
+}
+
+/* ---- wire codecs (mpcomm/compression.py): bitwise the numpy forms there. ---- */
+
+/* dst <- x as float16 / bfloat16 (round to nearest even). */
+void encode16(int kind, const float *x, uint16_t *dst, int64_t n) { narrow(kind, x, dst, n); }
+
+/* out <- src widened to float32; with accumulate, out += it (one rounding: the add). */
+void decode16(int kind, const uint16_t *src, float *out, int64_t n, int accumulate) {
+    if (!accumulate) {
+        widen(kind, src, out, n);
+        return;
+    }
+    float x[BLOCK];
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int64_t m = n - start < BLOCK ? n - start : BLOCK;
+        widen(kind, src + start, x, m);
+        for (int64_t i = 0; i < m; i++) out[start + i] += x[i];
+    }
+}
+
+/* Per block of `block` elements: scale = absmax / 127, q = rint(x * (127 / absmax)) in [-127, 127]; a block with
+ * a NaN or an infinity gets a NaN scale and q = 0 (it decodes to NaN); an all-zero block scale 0 and q = 0. */
+void encode_int8(const float *x, int64_t n, int64_t block, float *scales, int8_t *q) {
+    for (int64_t b = 0, start = 0; start < n; b++, start += block) {
+        int64_t m = n - start < block ? n - start : block;
+        const float *xs = x + start;
+        uint32_t top = 0; /* the largest |x| as bits: positive floats order as their bits, NaN and inf on top */
+        for (int64_t i = 0; i < m; i++) {
+            uint32_t u;
+            memcpy(&u, xs + i, 4);
+            u &= 0x7fffffffu;
+            top = u > top ? u : top;
+        }
+        if (top >= 0x7f800000u) {
+            scales[b] = NAN;
+            memset(q + start, 0, (size_t)m);
+            continue;
+        }
+        float absmax;
+        memcpy(&absmax, &top, 4);
+        scales[b] = absmax / 127.0f;
+        float inverse = absmax > 0.0f ? 127.0f / absmax : 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            float s = xs[i] * inverse;
+            s = s > 127.0f ? 127.0f : s; /* (clamped before rounding: the same integers as after) */
+            s = s < -127.0f ? -127.0f : s;
+            q[start + i] = (int8_t)(int32_t)rintf(s);
+        }
+    }
+}
+
+/* out <- q * scale of its block (float32); with accumulate, out += it. */
+void decode_int8(const float *scales, const int8_t *q, int64_t n, int64_t block, float *out, int accumulate) {
+    for (int64_t b = 0, start = 0; start < n; b++, start += block) {
+        int64_t m = n - start < block ? n - start : block;
+        float scale = scales[b];
+        if (accumulate)
+            for (int64_t i = 0; i < m; i++) out[start + i] += (float)q[start + i] * scale;
+        else
+            for (int64_t i = 0; i < m; i++) out[start + i] = (float)q[start + i] * scale;
     }
 }

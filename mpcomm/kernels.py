@@ -1,5 +1,6 @@
-"""Reduction kernels off float32 ``sum``'s path: float16/bfloat16 combined in float32 and rounded once, and floats
-as integer keys that sort like them (for the MPI library's MIN/MAX).
+"""Reduction kernels off float32 ``sum``'s path: float16/bfloat16 combined in float32 and rounded once, floats
+as integer keys that sort like them (for the MPI library's MIN/MAX), and the wire codecs' passes
+(``mpcomm.compression`` calls ``load()`` and the functions of :class:`Kernels` itself).
 
 numpy has no fused form of either: its float16 casts run at ~1 ns per element on x86 without F16C loops, and
 each step of a key mapping is a pass over the data. ``kernels.c`` does each in one pass; it is compiled on first
@@ -31,7 +32,7 @@ from .buffers import AVG, BFLOAT16, MAX, MIN, PROD, SUM, ReduceOp
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
 SWITCH = "MPCOMM_KERNELS"
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")  # (no fused multiply-add: numpy has none)
 _FLOAT16 = np.dtype(np.float16)
 _KINDS = {_FLOAT16: 0, BFLOAT16: 1}  # kernels.c: FLOAT16, BFLOAT16
 _OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, AVG: 0}  # kernels.c: SUM, PROD, MIN, MAX (avg: a sum, then divided)
@@ -63,7 +64,14 @@ class Kernels:
             fn.argtypes = [pointer, size, ctypes.c_int]
         for fn in self.unkeys.values():
             fn.argtypes = [pointer, size]
-        for fn in (self.reduce16, *self.keys.values(), *self.unkeys.values()):
+        self.encode16, self.decode16 = library.encode16, library.decode16
+        self.encode16.argtypes = [ctypes.c_int, pointer, pointer, size]
+        self.decode16.argtypes = [ctypes.c_int, pointer, pointer, size, ctypes.c_int]
+        self.encode_int8, self.decode_int8 = library.encode_int8, library.decode_int8
+        self.encode_int8.argtypes = [pointer, size, size, pointer, pointer]
+        self.decode_int8.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_int]
+        for fn in (self.reduce16, *self.keys.values(), *self.unkeys.values(), self.encode16, self.decode16,
+                   self.encode_int8, self.decode_int8):
             fn.restype = None
 
 
@@ -128,7 +136,7 @@ def _cpu_flags() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the kernels
-def _address(array) -> int:
+def address(array) -> int:
     """Where a host array's data starts (through the buffer protocol: a tenth of ``array.ctypes.data``'s cost,
     which shows on small messages; that for read-only or empty arrays, which it refuses)."""
     try:
@@ -146,8 +154,8 @@ def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | _Loaded | 
     if kernels is LOADED:
         kernels = load() if kind is not None and type(out) is np.ndarray else None
     if kind is not None and kernels is not None:
-        pointers = (ctypes.c_void_p * len(chunks))(*map(_address, chunks))
-        kernels.reduce16(kind, _OPS[op.name], pointers, len(chunks), out.size, float(op.divisor), _address(out))
+        pointers = (ctypes.c_void_p * len(chunks))(*map(address, chunks))
+        kernels.reduce16(kind, _OPS[op.name], pointers, len(chunks), out.size, float(op.divisor), address(out))
         return
     if kind is not None:  # numpy: float32 in between
         wide = chunks[0].astype(np.float32)
@@ -169,7 +177,7 @@ def to_keys(floats, op: str, kernels: Kernels | _Loaded | None = LOADED):
     bits = floats.view(KEY_DTYPES[floats.dtype])
     kernels = load() if kernels is LOADED else kernels
     if kernels is not None:
-        kernels.keys[bits.dtype](_address(bits), bits.size, _OPS[op])
+        kernels.keys[bits.dtype](address(bits), bits.size, _OPS[op])
         return bits
     magnitude = np.iinfo(bits.dtype).max  # every bit but the sign
     nans = np.isnan(floats)
@@ -182,7 +190,7 @@ def from_keys(bits, kernels: Kernels | _Loaded | None = LOADED) -> None:
     """In place: undo :func:`to_keys`; every NaN becomes numpy's ``nan`` (the same bits on every rank)."""
     kernels = load() if kernels is LOADED else kernels
     if kernels is not None:
-        kernels.unkeys[bits.dtype](_address(bits), bits.size)
+        kernels.unkeys[bits.dtype](address(bits), bits.size)
         return
     bits ^= (bits >> (8 * bits.itemsize - 1)) & np.iinfo(bits.dtype).max
     floats = bits.view({4: np.float32, 8: np.float64}[bits.itemsize])

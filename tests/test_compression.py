@@ -112,3 +112,27 @@ def test_bad_arguments_name_the_problem(name):
 def test_unknown_wire():
     with pytest.raises(ValueError, match="unknown wire 'fp8'.*bf16"):
         codec("fp8")
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", WIRES)
+def test_compiled_and_numpy_passes_give_the_same_bytes(name, n):
+    """The compiled passes (``mpcomm.kernels``) and the numpy forms agree bit for bit (ranks may run either)."""
+    from mpcomm import kernels
+
+    if kernels.load() is None:
+        pytest.skip("no C compiler here: the kernels cannot be built (numpy's forms are tested)")
+    compiled, numpy_form = codec(name).using(kernels.load()), codec(name).using(None)
+    x = data(n)
+    if n > 2 * INT8_BLOCK:
+        x[3] = np.nan
+        x[INT8_BLOCK + 1] = -np.inf
+        x[2 * INT8_BLOCK :][:INT8_BLOCK] = 0
+    x[-1:] = 1e5  # (past float16's range: inf)
+    payload = compiled.encode(x)
+    np.testing.assert_array_equal(payload, numpy_form.encode(x))
+    decoded = [c.decode(payload, np.empty(n, np.float32)) for c in (compiled, numpy_form)]
+    assert decoded[0].tobytes() == decoded[1].tobytes()
+    acc = data(n, seed=5)
+    summed = [c.accumulate(payload, acc.copy()) for c in (compiled, numpy_form)]
+    assert summed[0].tobytes() == summed[1].tobytes()

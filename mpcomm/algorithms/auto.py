@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import topology
-from ..buffers import AVG, LOW_PRECISION, MAX, MIN
+from ..buffers import AVG, LOW_PRECISION, MAX, MIN, SUM
+from ..compression import codec
 from ..mpi_library import library
 from ..tuning.table import TABLE_FORMAT, check_table
 from . import KEEP_LOW_PRECISION
@@ -31,6 +32,8 @@ from . import KEEP_LOW_PRECISION
 STEADY = ("ring", "ring_pipelined")  # algorithms whose every rank talks to the same two peers all call long
 MEMO_SIZE = 1024  # decisions remembered (Selector.choose): varying sizes must not grow memory
 STEADY_MARGIN = 0.05  # across nodes, a ring this close to the cheapest prediction is preferred (Selector.predict)
+WIRE_MARGIN = 0.2  # a compressed wire must be predicted this much faster than float32 to be used (Selector.wire_pays)
+_FLOAT32 = np.dtype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,10 @@ class CostModel:
     # (bench/results/dtype_op.md).
     native_narrow_int_scale: tuple = ((1, 2.0), (2, 1.6))
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
+    # The wire codecs' compiled passes (mpcomm.compression), seconds per byte of the float32 vector: encode,
+    # decode, decode-and-add (64 MiB, best of 5, quiet; bench/results/compression.md).
+    codec_byte: tuple = (("bf16", (0.17e-9, 0.31e-9, 0.22e-9)), ("fp16", (0.15e-9, 0.25e-9, 0.25e-9)),
+                         ("int8", (0.27e-9, 0.30e-9, 0.13e-9)))
 
     def with_network(self, network: "topology.NetworkMeasurement") -> "CostModel":
         """This model with the measured latency and seconds per byte between nodes."""
@@ -266,6 +273,25 @@ class CostModel:
         if algorithm == "native" and op is not None and scale != 1.0:
             seconds += (scale - 1.0) * (seconds - self.collective(operation, algorithm, 0, layout))
         return seconds + self.passes(operation, algorithm, nbytes, layout, dtype, op)
+
+    def compressed_allreduce(self, wire: str, nbytes: float, layout: Layout) -> float:
+        """Predicted seconds of ``allreduce(wire=wire)`` of ``nbytes`` float32 bytes (``algorithms/compressed.py``):
+        with nodes of q ranks each, a float32 ring reduce-scatter and all-gather in the node, and between the g
+        nodes q groups at once (sharing each node's link) exchanging the wire form of n/q bytes — one all-to-all
+        and a ring all-gather, 2(g-1)/g of it per rank — plus the codec's passes over n/q bytes; nodes of
+        different sizes: every rank a group of one."""
+        p, n = layout.size, float(nbytes)
+        q, g = (layout.ranks_per_node, layout.num_nodes) if layout.uniform else (1, p)
+        part = n / q
+        inner = self.ring(n, q, False, self.alpha_py) if q > 1 else 0.0
+        crosses = layout.num_nodes > 1
+        a, b = self._link(crosses, self.alpha_py)
+        ratio = codec(wire).wire_nbytes(1 << 20) / float(4 << 20)
+        sharing = layout.ranks_per_node if crosses else 1
+        exchange = g * a + 2 * (g - 1) / g * part * ratio * b * sharing if g > 1 else 0.0
+        encode, decode, add = dict(self.codec_byte)[wire]
+        passes = 4 * g * self.alpha_pass + part * ((encode + decode) * (1 + 1 / g) + add * (g - 1) / g)
+        return inner + exchange + passes
 
     def half_allreduce(self, algorithm: str, n: float, layout: Layout) -> float:
         """A reduce-scatter or all-gather across nodes: one half of the all-reduce of the same scheme (ring's and
@@ -412,6 +438,42 @@ class Selector:
             if steady:
                 return min(steady, key=lambda a: costs.get(a, math.inf))
         return best
+
+    # -------------------------------------------------------------- compression="auto"
+    def price_wire(self, wire: str, nbytes: int) -> tuple[float, float]:
+        """Predicted seconds of a float32 sum all-reduce of ``nbytes`` here: (with ``wire``, with the cheapest
+        float32 algorithm)."""
+        model = self.model.for_layout(self.layout)
+        plain = min(model.call("allreduce", a, nbytes, self.layout, _FLOAT32, SUM) for a in self.candidates["allreduce"])
+        return model.compressed_allreduce(wire, nbytes, self.layout), plain
+
+    def wire_pays(self, wire: str, nbytes: int) -> bool:
+        """Whether ``allreduce(buf, wire=wire)`` of ``nbytes`` float32 bytes pays on this communicator: predicted
+        ``WIRE_MARGIN`` faster than the best float32 all-reduce, from the network measured between its nodes and
+        the codecs' rates. One host: never (no byte crosses a network, and the passes cost more than the
+        shared-memory bytes they would save). The same answer on every rank (facts every rank shares)."""
+        if self.layout.num_nodes == 1 or nbytes <= 0:
+            return False
+        key = ("wire", wire, nbytes)
+        pays = self._decided.get(key)
+        if pays is None:
+            with_wire, without = self.price_wire(wire, nbytes)
+            pays = with_wire < (1 - WIRE_MARGIN) * without
+            if len(self._decided) >= MEMO_SIZE:
+                del self._decided[next(iter(self._decided))]
+            self._decided[key] = pays
+        return bool(pays)
+
+    def wire_crossover(self, wire: str, sizes=None) -> int | None:
+        """The smallest of ``sizes`` (bytes; default 8 B .. 1 GiB by 2x) from which ``wire_pays`` holds at every
+        larger one, or None where it never does."""
+        sizes = sorted(_PREDICTION_SIZES if sizes is None else sizes)
+        crossover = None
+        for nbytes in reversed(sizes):
+            if not self.wire_pays(wire, nbytes):
+                break
+            crossover = nbytes
+        return crossover
 
     # -------------------------------------------------------------- calibration table
     def load(self, table: dict, source: str = "tuning table") -> bool:
