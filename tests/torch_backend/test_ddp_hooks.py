@@ -229,6 +229,17 @@ def test_wire_hook_is_the_compressed_average_bitwise(wire, error_feedback):
     assert not problems, (RANK, problems)
 
 
+@pytest.mark.parametrize("wire", WIRES)
+def test_wire_hook_where_it_pays_sends_float32_on_one_host(wire):
+    """One host: the cost model never prices a wire as paying, so the hook is the plain average, bit for bit (the
+    exact sums of small dyadic gradients), and error feedback keeps nothing."""
+    state = WireState(wire, error_feedback=True, where_it_pays=True)
+    steps = on_backend("mpcomm", lambda: train(wire_hook, state, model=make_model((16, 32, 8), bias=False)))
+    problems = mismatches(ddp_gradients(steps), gathered_reference(steps, mean))
+    assert not problems, (RANK, problems)
+    assert all(not e.any() for e in state.errors.values())
+
+
 def test_wire_hook_refuses_a_group_on_another_backend_and_an_unknown_wire():
     with pytest.raises(ValueError, match="unknown wire 'fp8'"):
         WireState("fp8")
