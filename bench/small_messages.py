@@ -48,15 +48,20 @@ def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.nda
 
 def untraced_communicator() -> Communicator:
     """A Communicator over MPI.COMM_WORLD with the flight recorder off (MPCOMM_TRACE_BUFFER=0 while it is made)."""
-    saved = os.environ.get("MPCOMM_TRACE_BUFFER")
-    os.environ["MPCOMM_TRACE_BUFFER"] = "0"
+    return communicator_with("MPCOMM_TRACE_BUFFER", "0")
+
+
+def communicator_with(variable: str, value: str) -> Communicator:
+    """A Communicator over MPI.COMM_WORLD made while environment ``variable`` is ``value``."""
+    saved = os.environ.get(variable)
+    os.environ[variable] = value
     try:
         return Communicator(MPI.COMM_WORLD)
     finally:
         if saved is None:
-            del os.environ["MPCOMM_TRACE_BUFFER"]
+            del os.environ[variable]
         else:
-            os.environ["MPCOMM_TRACE_BUFFER"] = saved
+            os.environ[variable] = saved
 
 
 def pingpong_contenders(comm: Communicator, untraced: Communicator, buf: np.ndarray) -> dict:

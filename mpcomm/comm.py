@@ -104,7 +104,8 @@ class Communicator(Dispatcher):
             for t in (self._sync, self._async):  # spin elsewhere; bench/results/observations.md)
                 t.share_cores()
         self._start_dispatch()
-        self._start_trace(settings.trace_buffer, base)
+        self._start_trace(settings.trace_buffer, base, settings.timeline)
+        self._start_stragglers(settings.straggler)
         self.selector = Selector.default(self, probe=settings.network_probe)
         if settings.tuning_file:
             self.load_tuning(settings.tuning_file, missing_ok=True)

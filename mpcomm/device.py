@@ -50,6 +50,9 @@ class DeviceTransport:
     def running(self, operation: str):
         return self.inner.running(operation)
 
+    def phase(self, name: str):
+        return self.inner.phase(name)
+
     def scratch(self, slot: str, count: int, dtype, like=None):
         return self.inner.scratch(slot, count, dtype, like=like)
 

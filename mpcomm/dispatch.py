@@ -19,13 +19,14 @@ collectives' argument checks and buffer handling stay in ``mpcomm.comm``. See ``
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, Sequence, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -38,6 +39,8 @@ from .buffers import AVG, SUM, check_dtype_op, reduce_op, wire_dtype
 from .compression import codec
 from .errors import CollectiveMismatchError, MpcommError
 from .plan import Plan
+from .trace.stragglers import Stragglers
+from .trace.timeline import NO_SPAN, NoSpan, Span, Timeline
 from .transport import Transport, created
 from .work import FutureWork, InlineProgress, Work, progress_thread_allowed
 
@@ -65,7 +68,6 @@ class Dispatcher:
     rank: int
     size: int
     timeout: float
-    validate: bool
     selector: Selector
     _sync: Transport
     _async: Transport
@@ -73,6 +75,30 @@ class Dispatcher:
     _base: MPI.Comm
     _progress: str
     _trace: "trace.GroupTrace | None"  # the flight recorder's lane of the blocking calls (see _start_trace)
+    _stragglers: Stragglers | None = None  # MPCOMM_STRAGGLER: the reports of late ranks (see _agree)
+    _meet = False  # whether the ranks exchange before every collective: validate, or straggler detection
+
+    @property
+    def validate(self) -> bool:
+        """Whether the ranks compare every call before running it (``validate=True``)."""
+        return self._validate
+
+    @validate.setter
+    def validate(self, value: bool) -> None:
+        self._validate = value
+        self._meet = value or self._stragglers is not None
+
+    def _start_stragglers(self, threshold: float) -> None:
+        """``threshold`` > 0 (MPCOMM_STRAGGLER, seconds): report ranks that come that much later than the others
+        (``mpcomm.trace.stragglers``); the ranks then meet before every collective, as with validate=True."""
+        self._stragglers = Stragglers(threshold) if threshold > 0 else None
+        self._meet = self._validate or self._stragglers is not None
+
+    def stragglers(self) -> dict:
+        """The late ranks seen so far (``MPCOMM_STRAGGLER``; the same on every rank): ``threshold_s``,
+        ``late_calls`` (rank -> collectives it came late to) and the last ``reports`` (rank, seconds late,
+        sequence number, operation, lane). Empty when detection is off."""
+        return {} if self._stragglers is None else self._stragglers.summary()
 
     def _start_dispatch(self) -> None:
         self._protocols: dict[str, Transport] = {}  # see protocol_transport
@@ -175,7 +201,7 @@ class Dispatcher:
                 trace.groups[slot] = trace
                 trace.calls[slot] = plan
                 trace.starts[slot] = start
-            if self.validate:
+            if self._meet:  # (validate=True, or straggler detection: the ranks exchange first)
                 self._agree(t, plan, counts)
                 start = _clock()  # (stats time the algorithm alone)
             plan.fn(t, *buffers)
@@ -257,14 +283,49 @@ class Dispatcher:
             t.records.clear()
 
     # ------------------------------------------------------------------ the flight recorder
-    def _start_trace(self, capacity: int, base: MPI.Comm) -> None:
+    def _start_trace(self, capacity: int, base: MPI.Comm, timeline: str = "") -> None:
         """Give the transports their lanes of this process's flight recorder (``capacity`` 0: none, recording
         off): blocking collectives and point-to-point, and the non-blocking collectives, each numbered in its
-        own order (the same on every rank)."""
+        own order (the same on every rank). ``timeline`` (MPCOMM_TIMELINE): the file of the timeline that the
+        process's first Communicator over the whole world starts, written when the interpreter exits."""
         recorder = trace.process_recorder(capacity)
         lanes = recorder.communicator(base, self.timeout, ("", "async")) if recorder is not None else (None, None)
         self._sync.trace, self._async.trace = lanes
         self._trace = self._sync.trace
+        if recorder is not None:  # a point-to-point wait that times out (blocking or a Work's) dumps too
+            rank = self.rank
+            self._p2p.timed_out = lambda exc: recorder.dump_quietly(f"CommTimeoutError in {exc.operation} "
+                                                                    f"(rank {rank})")
+        if timeline and recorder is not None and not recorder.timelines and self.size == recorder.world_size:
+            atexit.register(Timeline(base, self.timeout, timeline, recorder).stop_at_exit)
+
+    def timeline(self, path: str) -> Timeline:
+        """Start recording a timeline of this process's calls (every Communicator's), to be written to ``path``
+        as Chrome-trace / Perfetto JSON by rank 0 of this communicator when it stops (``with comm.timeline(path):``,
+        or ``.stop()``). Collective: measures the clock offsets between the ranks (see ``docs/trace.md``)."""
+        if self._trace is None:
+            raise MpcommError(f"rank {self.rank}: timeline({path!r}): the flight recorder is off "
+                              "(MPCOMM_TRACE_BUFFER=0), and the timeline follows its lanes")
+        return Timeline(self._base, self.timeout, path, self._trace.recorder)
+
+    def span(self, name: str, **args: Any) -> Span | NoSpan:
+        """An engine's span of work on this communicator for the timeline (a ``with`` block, or ``.end()``):
+        a DDP bucket's all-reduce, an FSDP unit's gather. Nothing is measured when no timeline records."""
+        trace = self._trace
+        timeline = None if trace is None else trace.timeline
+        return NO_SPAN if timeline is None else timeline.span(trace, name, args)
+
+    def add_spans(self, spans: Sequence[tuple[str, float, float]]) -> None:
+        """Engine spans measured already, ``(name, start, end)`` in ``time.perf_counter()`` seconds (the
+        pipeline's actions), for the timeline; dropped when none records."""
+        trace = self._trace
+        if trace is not None and trace.timeline is not None:
+            trace.timeline.add_spans(trace, spans)
+
+    @property
+    def recording_timeline(self) -> bool:
+        """Whether a timeline records this communicator's calls (engines skip measuring spans otherwise)."""
+        return self._trace is not None and self._trace.timeline is not None
 
     def dump_trace(self, path: str | None = None) -> str:
         """Write this rank's flight-recorder dump (the last ``MPCOMM_TRACE_BUFFER`` calls of every Communicator of
@@ -317,7 +378,7 @@ class Dispatcher:
         comparing calls, what was rejected (they raise CollectiveMismatchError naming it at once, rather than
         wait for this rank until the timeout). Ranks that all rejected the same arguments agree, and each
         raises its own error."""
-        if self.validate and self._unusable is None and not isinstance(exc, MpcommError):
+        if self._validate and self._unusable is None and not isinstance(exc, MpcommError):
             try:
                 self._agree(t, Plan.rejected(operation, exc), None)
             except MpcommError:
@@ -357,8 +418,17 @@ class Dispatcher:
         """validate=True: the ranks compare their calls' digests (the whole signature, any length); on a
         difference every rank raises, listing what each passed. ``counts`` (all_to_all_v: send and receive
         counts) are checked for consistency (what rank i sends rank j is what j expects from i)."""
-        everyone = np.empty((self.size, plan.digest.size), dtype=np.uint8)
-        t.wait([t.mpi.Iallgather(plan.digest, everyone)], t.others)
+        stragglers = self._stragglers
+        if stragglers is not None and not self._validate:  # this rank's wait at the previous exchange here
+            self._exchange_waits(t, plan, np.array([t.previous_wait]), np.empty(self.size))
+            return
+        mine = plan.digest
+        if stragglers is not None:  # the digest, then the wait's 8 bytes (mpcomm.trace.stragglers)
+            mine = np.concatenate((mine, np.array([t.previous_wait]).view(np.uint8)))
+        everyone = np.empty((self.size, mine.size), dtype=np.uint8)
+        self._exchange_waits(t, plan, mine, everyone)
+        if stragglers is not None:
+            everyone = everyone[:, :-8]
         if not (everyone == plan.digest).all():
             calls = t.allgather_object(plan.signature)
             described = "; ".join(f"rank {r}: {json.dumps(call, sort_keys=True)}" for r, call in enumerate(calls))
@@ -368,6 +438,20 @@ class Dispatcher:
             _, problem = count_matrix(t, *counts)
             if problem:
                 raise CollectiveMismatchError(f"rank {self.rank}: {plan.signature['operation']}: {problem}")
+
+    def _exchange_waits(self, t: Transport, plan: Plan, mine: np.ndarray, everyone: np.ndarray) -> None:
+        """All-gather ``mine`` into ``everyone`` (bounded by the deadline); with straggler detection, time this
+        rank's wait in it and hand every rank's previous wait (the last 8 bytes of each row) to the reports."""
+        stragglers = self._stragglers
+        if stragglers is None:
+            t.wait([t.mpi.Iallgather(mine, everyone)], t.others)
+            return
+        entered = _clock()
+        t.wait([t.mpi.Iallgather(mine, everyone)], t.others)
+        t.previous_wait = _clock() - entered
+        waits = everyone if everyone.dtype == np.float64 else everyone[:, -8:].copy().view(np.float64).ravel()
+        stragglers.arrived(waits.tolist(), t.previous_call, t.trace)
+        t.previous_call = (None if t.trace is None else t.trace.collectives, plan)
 
     def _agreed_choice(self, t: Transport, operation: str, nbytes: int, dtype) -> str:
         """auto's algorithm for a call whose bytes differ between ranks by nature (all_to_all_v): the one for the
@@ -410,7 +494,7 @@ class Dispatcher:
         try:
             self._check_rank(root, "root", operation)
         except ValueError as exc:
-            if self.validate or self._unusable is not None:
+            if self._validate or self._unusable is not None:
                 raise  # validate=True: _rejected tells every rank at once, and nothing is left in flight
             self._unusable = (f"{operation} was called with root {root!r} on this rank, and other ranks may have run it "
                               "with another root, leaving messages for this rank that a later call would take")

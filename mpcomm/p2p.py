@@ -12,13 +12,14 @@ is then received into a scratch buffer, so the sender completes and nothing stal
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import cast
+from typing import Callable, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -81,6 +82,8 @@ class Channels:
         self._unopened: list[RecvWork] = []
         self._requests: list[MPI.Request] = []  # their envelope requests, in the same order (for one Testsome)
         self._lock = threading.Lock()  # guards both; opening runs under it, so one thread opens a receive
+        # told of a wait's CommTimeoutError before it is raised (the Communicator's flight-recorder dump)
+        self.timed_out: Callable[[CommTimeoutError], object] | None = None
         envelopes.progress_hook = payloads.progress_hook = self.progress
 
     def next_sequence(self, dst: int) -> int:
@@ -195,6 +198,19 @@ def isend(channels: Channels, payload_t, buf, dst, tag=0) -> "SendWork":
     return SendWork(channels, requests, header, dst, tag, payload_t, array)
 
 
+def _reported(wait: Callable) -> Callable:
+    """A Work's ``wait`` that tells its channels' ``timed_out`` hook of a timeout before raising it."""
+    @functools.wraps(wait)
+    def reporting(self, timeout: float | None = None):
+        try:
+            return wait(self, timeout)
+        except CommTimeoutError as exc:
+            if self._channels.timed_out is not None:
+                self._channels.timed_out(exc)
+            raise
+    return reporting
+
+
 class SendWork(Work):
     """A send in flight: done when MPI has taken the envelope (and payload)."""
 
@@ -205,6 +221,7 @@ class SendWork(Work):
         self._dst, self._tag, self._payload_t, self._keep = dst, tag, payload_t, keep
         self._done = False
 
+    @_reported
     def wait(self, timeout: float | None = None) -> None:
         if timeout is not None:
             timeout = wait_timeout(timeout, "send: wait")
@@ -318,6 +335,7 @@ class RecvWork(Work):
         self.source: int | None = None
         self.tag: int | None = None
 
+    @_reported
     def wait(self, timeout: float | None = None):
         if timeout is not None:
             timeout = wait_timeout(timeout, "recv: wait")

@@ -41,13 +41,18 @@ class Settings:
     staging_chunk: int = 0  # bytes per message of a staged device transfer (both ends must cut alike); 0: default
     cuda_aware: str = ""  # MPCOMM_CUDA_AWARE: direct or staged device transfers send different messages
     trace_buffer: int = 0  # MPCOMM_TRACE_BUFFER: calls the flight recorder keeps (0: off); see mpcomm.trace
+    straggler: float = 0.0  # MPCOMM_STRAGGLER: report ranks this many seconds late (0: off); mpcomm.trace.stragglers
+    timeline: str = ""  # MPCOMM_TIMELINE: the file of the timeline the first Communicator over the world starts
 
     @classmethod
     def resolve(cls, timeout=None, validate=None, ranks_per_node=None) -> "Settings":
         """The settings for these constructor arguments (None: from the environment); ConfigError if invalid."""
-        if _env("MPCOMM_TIMELINE"):  # (asked for by every rank alike: raised before any communication)
-            raise NotImplementedError(f"MPCOMM_TIMELINE={os.environ['MPCOMM_TIMELINE']!r}: the timeline is not "
-                                      "built yet (docs/trace.md); unset it (the flight recorder is on regardless)")
+        trace_buffer = _env_count("MPCOMM_TRACE_BUFFER", "calls the flight recorder keeps, 0: off",
+                                  DEFAULT_TRACE_BUFFER)
+        timeline = _env("MPCOMM_TIMELINE") or ""
+        if timeline and not trace_buffer:
+            raise ConfigError(f"MPCOMM_TIMELINE={timeline!r} needs the flight recorder, whose lanes it follows, but "
+                              "MPCOMM_TRACE_BUFFER=0 turns it off: unset one of them")
         return cls(
             timeout=_timeout(timeout, "timeout") if timeout is not None else _env_timeout(),
             validate=_flag(validate, "validate") if validate is not None else _env_flag("MPCOMM_VALIDATE"),
@@ -58,8 +63,10 @@ class Settings:
             network_probe=(_env("MPCOMM_NETWORK_PROBE") or "1").lower() not in _FALSE,
             staging_chunk=_staging_chunk(),
             cuda_aware=(_env("MPCOMM_CUDA_AWARE") or "").lower(),
-            trace_buffer=_env_count("MPCOMM_TRACE_BUFFER", "calls the flight recorder keeps, 0: off",
-                                    DEFAULT_TRACE_BUFFER),
+            trace_buffer=trace_buffer,
+            timeline=timeline,
+            straggler=_env_seconds("MPCOMM_STRAGGLER", "seconds a rank may come after the others before it is "
+                                   "reported, 0: off"),
         )
 
 
@@ -88,6 +95,8 @@ _SOURCES = {  # where each setting comes from, for the error that says the ranks
     "staging_chunk": "MPCOMM_STAGING_CHUNK",
     "cuda_aware": "MPCOMM_CUDA_AWARE",
     "trace_buffer": "MPCOMM_TRACE_BUFFER",
+    "timeline": "MPCOMM_TIMELINE",
+    "straggler": "MPCOMM_STRAGGLER",
 }
 
 
@@ -129,6 +138,17 @@ def _env_timeout() -> float:
         return _timeout(number, "MPCOMM_TIMEOUT")
     except ConfigError as exc:
         raise ConfigError(f"MPCOMM_TIMEOUT={value!r}: {exc}") from None
+
+
+def _env_seconds(name: str, what: str) -> float:
+    """The finite number of seconds >= 0 in variable ``name``, 0 where it is unset or empty."""
+    parsed = _env_parsed(name, float, f"a finite number of seconds >= 0 ({what})")
+    if parsed is None:
+        return 0.0
+    value, number = parsed
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"{name}={value!r}: expected a finite number of seconds >= 0 ({what})")
+    return number
 
 
 def _env_flag(name: str) -> bool:

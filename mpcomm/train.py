@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import numpy as np
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fsdp-strategy", choices=FSDP_STRATEGIES, default="full_shard")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket cap")
     ap.add_argument("--json", metavar="FILE", default=None, help="write losses, checksum and timing (rank 0)")
+    ap.add_argument("--timeline", metavar="FILE", default=None,
+                    help="write a Chrome-trace / Perfetto JSON of every rank's calls and the engine's spans (rank 0)")
     return ap
 
 
@@ -235,22 +238,13 @@ def run(argv: Sequence[str] | None = None, comm: Any = None) -> dict:
     comm = Communicator(MPI.COMM_WORLD) if own else comm
     try:
         dp, tp, pp = resolve_layout(args, comm.size)
-        problem = root_outputs_problem(comm, {"--json": args.json})  # before the run, not after
+        problem = root_outputs_problem(comm, {"--json": args.json, "--timeline": args.timeline})  # before the run
         if problem:
             raise ConfigError(problem)
         workload = Workload(num_layers=args.layers, d_model=args.d_model, d_hidden=args.d_hidden,
                             global_batch=args.global_batch, seed=args.seed, dtype=args.dtype)
-        if args.engine in DATA_PARALLEL:
-            if comm.rank == 0:  # the model-parallel engines print their own header, with the schedule
-                print(f"[{args.engine}] world {comm.size}: dp={dp} tp={tp} pp={pp} optimizer={args.optimizer} "
-                      f"lr={args.lr} dtype={args.dtype} layers={args.layers} d_model={args.d_model} "
-                      f"d_hidden={args.d_hidden} global_batch={args.global_batch} recompute={args.recompute}",
-                      flush=True)
-            result = train_data_parallel(comm, args, workload, dp)
-        else:
-            from .parallel.threed import train_model_parallel
-            args.dp, args.tp, args.pp = dp, tp, pp
-            result = train_model_parallel(comm, args, workload)
+        with comm.timeline(args.timeline) if args.timeline else nullcontext():
+            result = _train(comm, args, workload, dp, tp, pp)
         out = {"losses": [float(v) for v in result["losses"]], "param_checksum": float(result["param_checksum"]),
                "engine": args.engine, "world": comm.size, "dp": dp, "tp": tp, "pp": pp,
                "timing": result.get("timing", {}),
@@ -262,6 +256,20 @@ def run(argv: Sequence[str] | None = None, comm: Any = None) -> dict:
     finally:
         if own:
             comm.free()
+
+
+def _train(comm: Any, args: argparse.Namespace, workload: Workload, dp: int, tp: int, pp: int) -> dict:
+    """The training run of :func:`run` with the chosen engine."""
+    if args.engine in DATA_PARALLEL:
+        if comm.rank == 0:  # the model-parallel engines print their own header, with the schedule
+            print(f"[{args.engine}] world {comm.size}: dp={dp} tp={tp} pp={pp} optimizer={args.optimizer} "
+                  f"lr={args.lr} dtype={args.dtype} layers={args.layers} d_model={args.d_model} "
+                  f"d_hidden={args.d_hidden} global_batch={args.global_batch} recompute={args.recompute}",
+                  flush=True)
+        return train_data_parallel(comm, args, workload, dp)
+    from .parallel.threed import train_model_parallel
+    args.dp, args.tp, args.pp = dp, tp, pp
+    return train_model_parallel(comm, args, workload)
 
 
 def _main(argv: Sequence[str] | None) -> int:

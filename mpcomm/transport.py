@@ -10,6 +10,7 @@ import os
 import pickle
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
@@ -42,6 +43,7 @@ _SHARED_SPINS_BEFORE_YIELD, _SHARED_QUICK_TESTS = 8, 2
 _SPIN_SECONDS, _SLEEP_SHARE, _MAX_SLEEP = 200e-6, 0.05, 1e-3
 _BYTES = MPI.BYTE
 COMMUNICATORS_HELD = 4  # MPI communicators each Communicator makes (see Communicator.__init__)
+_NO_PHASE = nullcontext()  # what phase() gives when no timeline records (reusable: it holds nothing)
 _LATE = ("no Communicator was made here; this rank's MPI_Comm_idup of the communicator stays pending and completes "
          "when those ranks make their Communicator too (every rank must, before its next collective on it)")
 
@@ -71,6 +73,10 @@ class Transport:
         # Called while this transport waits: progress of point-to-point receives (see ``mpcomm.p2p.Channels``).
         self.progress_hook: Callable[[], None] | None = None
         self.trace: GroupTrace | None = None  # the flight recorder's lane of the collectives run here
+        # straggler detection (mpcomm.trace.stragglers): this rank's wait in the previous exchange before a
+        # collective here, and that collective (its sequence number in the lane, its label)
+        self.previous_wait = 0.0
+        self.previous_call: tuple | None = None
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
         self.spins_before_yield, self.quick_tests = _SPINS_BEFORE_YIELD, _QUICK_TESTS
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
@@ -87,6 +93,13 @@ class Transport:
     def running(self, operation: object) -> "_Running":
         """Name the operation in progress (a ``with`` block), so that errors raised underneath can say what ran."""
         return _Running(self, operation)
+
+    def phase(self, name: str) -> AbstractContextManager:
+        """Mark a phase of the algorithm running here (a ``with`` block: ``"reduce-scatter"``, ``"all-gather"``)
+        for the timeline (``mpcomm.trace.timeline``); nothing is measured when no timeline records."""
+        trace = self.trace
+        timeline = None if trace is None else trace.timeline
+        return _NO_PHASE if timeline is None else timeline.phase(trace, name)
 
     def limited(self, seconds: float) -> "_Limited":
         """Bound every wait of a ``with`` block by ``seconds`` too (``Work.wait(timeout)`` of an operation that

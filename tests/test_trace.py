@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import WORLD, run_gathered, serial_only
 
-from mpcomm import Communicator, ConfigError, MpcommError
+from mpcomm import CommTimeoutError, Communicator, ConfigError, MpcommError
 from mpcomm.trace import FlightRecorder
 from mpcomm.trace.analyze import analyze
 
@@ -143,6 +143,21 @@ def test_point_to_point_is_recorded():
 
 
 @pytest.mark.mpi
+def test_a_non_blocking_receive_whose_wait_times_out_dumps(monkeypatch):
+    directory = shared_dir()
+    monkeypatch.setenv("MPCOMM_TRACE_DIR", directory)
+    comm = Communicator(WORLD, timeout=30.0)
+    never = comm.irecv(np.empty(2), comm.rank, tag=11)  # nobody sends it
+    with pytest.raises(CommTimeoutError):
+        never.wait(timeout=0.2)
+    with open(os.path.join(directory, f"mpcomm_trace_rank_{WORLD.Get_rank()}"), "rb") as f:
+        dump = pickle.load(f)
+    assert dump["mpcomm"]["reason"].startswith("CommTimeoutError in recv"), dump["mpcomm"]["reason"]
+    assert dump["entries"][-1]["profiling_name"] == f"mpcomm:recv {comm.rank}<-{comm.rank}"
+    comm.free(failed=True)
+
+
+@pytest.mark.mpi
 def test_the_ring_keeps_the_last_calls_and_the_stack_of_the_one_in_flight(comm):
     recorder = FlightRecorder(4)
     trace, = recorder.communicator(comm.mpi, comm.timeout, ("",))
@@ -162,10 +177,12 @@ def test_the_ring_keeps_the_last_calls_and_the_stack_of_the_one_in_flight(comm):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("value", ["-1", "many", "1.5"])
-def test_a_bad_buffer_size_is_one_error_on_every_rank(value, monkeypatch):
-    monkeypatch.setenv("MPCOMM_TRACE_BUFFER", value)
-    with pytest.raises(ConfigError, match=f"MPCOMM_TRACE_BUFFER={value!r}"):
+@pytest.mark.parametrize("variable, value", [("MPCOMM_TRACE_BUFFER", "-1"), ("MPCOMM_TRACE_BUFFER", "many"),
+                                             ("MPCOMM_TRACE_BUFFER", "1.5"), ("MPCOMM_STRAGGLER", "-1"),
+                                             ("MPCOMM_STRAGGLER", "soon"), ("MPCOMM_STRAGGLER", "inf")])
+def test_a_bad_buffer_size_or_straggler_threshold_is_one_error_on_every_rank(variable, value, monkeypatch):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"{variable}={value!r}"):
         Communicator(WORLD, timeout=10.0)
 
 
@@ -177,13 +194,6 @@ def test_buffer_zero_turns_it_off(monkeypatch):
     with pytest.raises(MpcommError, match="MPCOMM_TRACE_BUFFER=0"):
         comm.dump_trace(tempfile.gettempdir())
     comm.free()
-
-
-@pytest.mark.mpi
-def test_the_timeline_is_not_built_and_says_so(monkeypatch):
-    monkeypatch.setenv("MPCOMM_TIMELINE", "steps.json")
-    with pytest.raises(NotImplementedError, match="MPCOMM_TIMELINE='steps.json': the timeline is not built yet"):
-        Communicator(WORLD, timeout=10.0)
 
 
 _SIGNALS = """

@@ -134,15 +134,10 @@ def named(output: str, kind: str) -> list[tuple[int, list[int]]]:
     return found
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-@pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("attempt", range(REPEAT))
-def test_dumps_on_timeout_and_the_analyzer_names_the_rank(scenario, ranks, attempt, tmp_path):
-    from conftest import UNDER_MPIEXEC, mpiexec_path
-
-    if UNDER_MPIEXEC:
-        pytest.skip("launches mpiexec itself; run it in the serial pytest pass")
-    statuses, output = run_scenario(scenario, ranks, tmp_path, mpiexec_path())
+def check_scenario(scenario: str, ranks: int, work: Path, mpiexec: str) -> None:
+    """Run the scenario's job with ``mpiexec`` and check the dumps and what the analyzer names (also run on the
+    simulated cluster: tests/cluster/test_jobs.py)."""
+    statuses, output = run_scenario(scenario, ranks, work, mpiexec)
     odd = ranks - 1
     detail = f"statuses {statuses}\nanalyzer:\n{output}"
     failed = {r: s for r, s in statuses.items() if s["outcome"] not in ("completed", "stopped")}
@@ -160,6 +155,17 @@ def test_dumps_on_timeout_and_the_analyzer_names_the_rank(scenario, ranks, attem
         assert "called broadcast [16] float32 root 0 where" in output, detail
 
 
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("attempt", range(REPEAT))
+def test_dumps_on_timeout_and_the_analyzer_names_the_rank(scenario, ranks, attempt, tmp_path):
+    from conftest import LAUNCHED, mpiexec_path
+
+    if LAUNCHED:
+        pytest.skip("launches mpiexec itself; run it in the serial pytest pass")
+    check_scenario(scenario, ranks, tmp_path, mpiexec_path())
+
+
 @pytest.mark.parametrize("scenario, expected", [
     ("skip", ["Not all ranks joining collective, sequence number: 6", "missing ranks: {2}"]),
     ("broadcast", ["Collective sequence number: 6 has errors", "Culprit rank 2; Error type: COLLECTIVE_TYPE_MISMATCH"]),
@@ -167,9 +173,9 @@ def test_dumps_on_timeout_and_the_analyzer_names_the_rank(scenario, ranks, attem
 def test_torchs_own_analyzer_reads_the_dumps(scenario, expected, tmp_path):
     """torch's fr_trace, unchanged, on the copies ``--for-torch`` writes, names the same rank and number."""
     pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
-    from conftest import UNDER_MPIEXEC, mpiexec_path
+    from conftest import LAUNCHED, mpiexec_path
 
-    if UNDER_MPIEXEC:
+    if LAUNCHED:
         pytest.skip("launches mpiexec itself; run it in the serial pytest pass")
     run_scenario(scenario, 3, tmp_path, mpiexec_path(), "--for-torch", str(tmp_path / "torch"))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path / "torch")],

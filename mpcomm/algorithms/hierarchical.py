@@ -30,11 +30,17 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         if t.nodes_are_uniform:
             bounds = chunk_bounds(buf.size, node.size)
             mine = buf[slice(*bounds[node.rank])]
-            ring.reduce_scatter_chunks(node, buf, mine, op, bounds)
-            rhd.allreduce(cross, mine, op)
-            ring.all_gather_chunks(node, buf, bounds)
+            with t.phase("reduce-scatter (in the node)"):
+                ring.reduce_scatter_chunks(node, buf, mine, op, bounds)
+            with t.phase("all-reduce (between nodes)"):
+                rhd.allreduce(cross, mine, op)
+            with t.phase("all-gather (in the node)"):
+                ring.all_gather_chunks(node, buf, bounds)
         else:
-            tree.reduce(node, buf, op, root=0)
-            if node.rank == 0:
-                rhd.allreduce(cross, buf, op)
-            tree.broadcast(node, buf, root=0)
+            with t.phase("reduce (to the node's leader)"):
+                tree.reduce(node, buf, op, root=0)
+            with t.phase("all-reduce (between the leaders)"):
+                if node.rank == 0:
+                    rhd.allreduce(cross, buf, op)
+            with t.phase("broadcast (in the node)"):
+                tree.broadcast(node, buf, root=0)

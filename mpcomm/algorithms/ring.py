@@ -53,9 +53,11 @@ def allreduce(t: Transport, buf, op: ReduceOp, reduce_scatter=reduce_scatter_chu
     """Reduce-scatter (``reduce_scatter``: this module's, or the pipelined one), finish, all-gather."""
     bounds = chunk_bounds(buf.size, t.size)
     mine = buf[slice(*bounds[t.rank])]
-    reduce_scatter(t, buf, mine, op, bounds)
-    op.finish(mine)
-    all_gather_chunks(t, buf, bounds)
+    with t.phase("reduce-scatter"):
+        reduce_scatter(t, buf, mine, op, bounds)
+        op.finish(mine)
+    with t.phase("all-gather"):
+        all_gather_chunks(t, buf, bounds)
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:

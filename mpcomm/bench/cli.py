@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from contextlib import nullcontext
 from typing import Sequence, TextIO
 
 import numpy as np
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="verify every result bitwise against a numpy reference and across ranks; count #wrong")
     parser.add_argument("--json", metavar="FILE", help="write the rows as a JSON list of objects")
     parser.add_argument("--plot", metavar="FILE", help="write busbw vs size (PNG/SVG/PDF by extension; needs matplotlib)")
+    parser.add_argument("--timeline", metavar="FILE",
+                        help="write a Chrome-trace / Perfetto JSON of every rank's calls (docs/trace.md)")
     parser.add_argument("--tune", action="store_true", help="call comm.tune() first (when this build has it)")
     parser.add_argument("--root", type=_positive_int(0), default=0,
                         help="root of " + ", ".join(sorted(n for n, c in COLLECTIVES.items() if c.rooted))
@@ -209,7 +212,7 @@ def run(argv: Sequence[str] | None = None, comm=None, out: TextIO | None = None)
             comm = Communicator(world, timeout=args.timeout, ranks_per_node=args.ranks_per_node)
         except ConfigError as exc:  # every rank has it (the settings are agreed): one line, exit 2
             parser.error(str(exc))
-    problem = root_outputs_problem(comm, {"--json": args.json, "--plot": args.plot})  # before the run, not after
+    problem = root_outputs_problem(comm, {"--json": args.json, "--plot": args.plot, "--timeline": args.timeline})  # before the run, not after
     if problem:
         if owned:
             comm.free()
@@ -233,8 +236,11 @@ def run(argv: Sequence[str] | None = None, comm=None, out: TextIO | None = None)
         largest = max(cls.layout(s, d.itemsize, comm.size)[1] for s in spec.sizes for d, _ in spec.combos)
         meta = describe(comm, args, spec, memcpy_bandwidth(largest, comm.mpi), largest)
         emit(*header_lines(meta))
-        rows = sweep(comm, spec, on_rows=lambda block: emit(*map(format_row, block)), progress=progress)
+        with comm.timeline(args.timeline) if args.timeline else nullcontext():
+            rows = sweep(comm, spec, on_rows=lambda block: emit(*map(format_row, block)), progress=progress)
         emit(*footer_lines(rows, spec.check))
+        if args.timeline:
+            emit(f"# wrote {args.timeline}")
         if leader and args.json:
             write_json(rows, args.json)
             emit(f"# wrote {args.json}")

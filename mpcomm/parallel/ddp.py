@@ -33,6 +33,7 @@ from ..comm import Communicator
 from ..errors import ConfigError, MpcommError
 from ..nn.backend import array_module, to_numpy
 from ..nn.module import Module, Parameter
+from ..trace.timeline import NO_SPAN, NoSpan, Span
 from ..work import Work
 from .same_model import check_same_model
 
@@ -99,6 +100,7 @@ class Bucket:
         self.pending = len(self.members)
         self.work: Work | None = None
         self.finish: Callable[[], None] | None = None
+        self.span: Span | NoSpan = NO_SPAN  # its all-reduce, from launch to unpacked, for the timeline
 
     @property
     def nbytes(self) -> int:
@@ -215,6 +217,7 @@ class _Reducer:
         if bucket.tail.size:  # the last bucket: by now every parameter is ready, so "unused" is known
             bucket.tail[...] = array_module(bucket.tail).asarray([0 if t else 1 for t in self.touched])
         engine = self.engine
+        bucket.span = engine.comm.span(f"ddp bucket {bucket.index}", bytes=bucket.nbytes)
         bucket.work, bucket.finish = engine._hook(engine.comm, bucket.buffer)
 
     def finalize(self) -> None:
@@ -230,6 +233,7 @@ class _Reducer:
             b.work.wait()
             if b.finish is not None:
                 b.finish()
+            b.span.end()
         self.wait_seconds = time.perf_counter() - start
         size = engine.comm.size
         flags = to_numpy(engine._buckets[-1].tail).astype(np.float64)

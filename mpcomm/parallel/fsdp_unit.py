@@ -14,6 +14,7 @@ import numpy as np
 from ..comm import Communicator
 from ..nn import Parameter
 from ..nn.backend import to_numpy
+from ..trace.timeline import NO_SPAN, NoSpan, Span
 from ..work import Work
 from .flat_param import FlatLayout
 
@@ -75,6 +76,7 @@ class _PendingReduce:
     work: Work | None
     out: Any
     nbytes: int
+    span: Span | NoSpan = NO_SPAN  # its reduction, from start to finish_reduce, for the timeline
 
 
 @dataclass
@@ -95,6 +97,7 @@ class FlatUnit:
     owns_full: bool = False
     work: Work | None = None
     send: Any = None
+    gather_span: Span | NoSpan = NO_SPAN  # the gather in flight, for the timeline
     grad_flat: Any = None
     pending: list = field(default_factory=list)
 
@@ -125,8 +128,10 @@ class FlatUnit:
         if comm is None or comm.size == 1:
             recv[...] = send
         elif blocking:
-            comm.all_gather(send, recv)
+            with comm.span(f"fsdp gather {self.name}", bytes=recv.nbytes):
+                comm.all_gather(send, recv)
         else:
+            self.gather_span = comm.span(f"fsdp gather {self.name}", bytes=recv.nbytes)
             self.send, self.work = send, comm.iall_gather(send, recv)
 
     def finish_gather(self) -> None:
@@ -135,6 +140,8 @@ class FlatUnit:
         if self.work is not None:
             self.work.wait()
             self.work, self.send = None, None
+            self.gather_span.end()
+            self.gather_span = NO_SPAN
         for p, view in zip(self.originals, self.layout.views(self.full)):
             p.data = view
         self.state = "gathered"
@@ -174,10 +181,12 @@ class FlatUnit:
             out = self.xp.empty(self.layout.shard_numel, dtype=self.reduce_dtype)
             self.tracker.alloc("grad", out.nbytes)
             nbytes += out.nbytes
+            span = shard.span(f"fsdp reduce-scatter {self.name}", bytes=g.nbytes)
             work = shard.ireduce_scatter(g, out, op="avg")
-            self.pending.append(_PendingReduce(work, out, nbytes))
+            self.pending.append(_PendingReduce(work, out, nbytes, span))
         elif self.groups.replicate is not None and self.groups.replicate.size > 1 and self.layout.shard_count == 1:
-            self.pending.append(_PendingReduce(self.groups.replicate.iallreduce(g, op="avg"), g, nbytes))
+            span = self.groups.replicate.span(f"fsdp all-reduce {self.name}", bytes=g.nbytes)
+            self.pending.append(_PendingReduce(self.groups.replicate.iallreduce(g, op="avg"), g, nbytes, span))
         else:
             self.pending.append(_PendingReduce(None, g, nbytes))
 
@@ -185,6 +194,7 @@ class FlatUnit:
         for item in self.pending:
             if item.work is not None:
                 item.work.wait()
+            item.span.end()
             out = item.out
             replicate = self.groups.replicate
             if replicate is not None and replicate.size > 1 and self.layout.shard_count > 1:

@@ -287,7 +287,8 @@ class PipelineParallel:
         # parameters whose .grad is None (zero_grad(set_to_none=True)): their first backward would allocate (and
         # page-fault in) fresh grad arrays on the critical path; materialise them while blocked in a receive instead
         pending_grads = [p for p in self.parameters() if p.grad is None] if self.pp > 1 else []
-        state = StepState(xs or [], ys or [], pending_grads, self.trace)
+        trace = self.trace if self.trace is not None or not self.comm.recording_timeline else []
+        state = StepState(xs or [], ys or [], pending_grads, trace)
         executor.run(state, self._program)
         return self._finish_step(state, t_start)
 
@@ -346,6 +347,7 @@ class PipelineParallel:
         if state.trace is not None:
             state.trace.append(("bcast", state.drained_at, time.perf_counter()))
             state.trace.insert(0, ("start", t_start, t_start))
+            self.comm.add_spans([(f"pipeline {label}", t0, t1) for label, t0, t1 in state.trace if t1 > t0])
         total = time.perf_counter() - t_start
         self.last_timing = {"compute": state.compute_seconds, "comm_wait": state.wait_seconds,
                             "bubble": total - state.compute_seconds, "total": total,

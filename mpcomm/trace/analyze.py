@@ -166,6 +166,12 @@ def _analyze_group(report: Report, dumps: dict[int, dict], name: str, members: l
         lines.append(f"  {text}")
     elif mismatch is None:
         lines.append("  every member completed every collective recorded")
+    late = next((d["mpcomm"].get("stragglers", {}).get(name) for d in dumps.values()
+                 if d["mpcomm"].get("stragglers", {}).get(name)), None)  # (every member holds the same reports)
+    if late:
+        lines.append(f"  late (MPCOMM_STRAGGLER), the last {min(len(late), 5)} of {len(late)}: " + "; ".join(
+            f"rank {r['rank']} came {r['late_s'] * 1e3:.1f} ms after the others to #{r['seq']} {r['call']}"
+            for r in late[-5:]))
     for rank in dict.fromkeys(named):
         if rank in dumps:
             lines += _stack(dumps[rank], rank, calls.get(rank, {}))

@@ -13,6 +13,7 @@ stack). Writing a dump is local: it never waits for another rank.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import math
 import os
 import pickle
@@ -32,6 +33,7 @@ _clock = time.perf_counter
 DEFAULT_BUFFER = 2000  # calls kept per process (MPCOMM_TRACE_BUFFER): ~80 KB; its cost: docs/trace.md
 FILE_PREFIX = "mpcomm_trace_rank_"
 TORCH_FORMAT_VERSION = "2.10"  # the flight-recorder dump version of torch 2.14 (fr_trace checks it is "M.m")
+LATE_KEPT = 100  # straggler reports kept per lane for the dump
 FRAMES_KEPT = 32  # innermost frames of a stack written per entry / thread
 # torch's names for the operations (its fr_trace matches collectives by them); the prefix names the library
 _TORCH_NAMES = {"allreduce": "all_reduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather",
@@ -63,6 +65,8 @@ class FlightRecorder:
         self._lock = threading.Lock()
         self._epoch_ns = time.time_ns() - int(_clock() * 1e9)  # perf_counter -> wall clock, for the dump
         self.world_rank, self.world_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        self.timeline: Any = None  # the Timeline (mpcomm.trace.timeline) the lanes record spans for, if one runs
+        self.timelines = 0  # timelines started so far in this process
 
     def communicator(self, mpi_comm: MPI.Comm, timeout: float, lanes: Sequence[str]) -> list["GroupTrace"]:
         """The traces of a new Communicator over ``mpi_comm``, one per lane (``""``: its blocking collectives and
@@ -83,7 +87,18 @@ class FlightRecorder:
             traces = [GroupTrace(self, len(self.lanes) + i, f"{name}.{lane}" if lane else name, ranks,
                                  mpi_comm.Get_rank(), timeout) for i, lane in enumerate(lanes)]
             self.lanes += traces
+            for lane in traces:
+                lane.follow(self.timeline)
         return traces
+
+    def follow(self, timeline) -> None:
+        """Make every lane, and every lane made later, record its calls' spans for ``timeline`` too (None:
+        stop)."""
+        with self._lock:
+            self.timeline = timeline
+            self.timelines += timeline is not None
+            for lane in self.lanes:
+                lane.follow(timeline)
 
     # ------------------------------------------------------------------ dumps
     def snapshot(self, reason: str, frame=None) -> dict:
@@ -117,6 +132,7 @@ class FlightRecorder:
             "mpcomm": {"reason": reason, "world_rank": self.world_rank, "world_size": self.world_size,
                        "host": socket.gethostname(), "pid": os.getpid(), "time_ns": time.time_ns(),
                        "capacity": self.capacity, "recorded": total,
+                       "stragglers": {g.name: list(g.late) for g in self.lanes if g.late},
                        "stacks": {names.get(ident, str(ident)): _frames(f) for ident, f in threads.items()}},
         }
 
@@ -147,7 +163,7 @@ class FlightRecorder:
 
     def _entry(self, record_id: int, slot: int, collectives: int, p2p: int, threads: dict, names: dict) -> dict:
         group, what, start, end = self.groups[slot], self.calls[slot], self.starts[slot], self.ends[slot]
-        operation, algorithm, nbytes, inputs, outputs, dtype, extra, peer = _describe(what, group)
+        operation, algorithm, nbytes, inputs, outputs, dtype, extra, peer = describe(what, group)
         is_p2p = type(what) is tuple
         name = _TORCH_NAMES.get(operation) or _bare_name(what)
         if is_p2p:  # torch's "send 0->1" / "recv 1<-0", in the communicator's ranks
@@ -178,7 +194,7 @@ class GroupTrace:
     record (:meth:`started`, :meth:`started_p2p`, :meth:`completed`)."""
 
     __slots__ = ("recorder", "pg_id", "name", "desc", "ranks", "rank", "timeout", "collectives", "p2p",
-                 "groups", "calls", "starts", "ends", "slots")
+                 "groups", "calls", "starts", "ends", "slots", "timeline", "late")
 
     def __init__(self, recorder: FlightRecorder, pg_id: int, name: str, ranks: tuple[int, ...], rank: int,
                  timeout: float):
@@ -189,6 +205,14 @@ class GroupTrace:
         # the recorder's ring, for the Communicator's hot path to write into without a call
         self.groups, self.calls, self.starts = recorder.groups, recorder.calls, recorder.starts
         self.ends, self.slots = recorder.ends, recorder.slots
+        self.timeline: Any = None  # the Timeline recording this lane's spans, if one runs (see follow)
+        self.late: deque[dict] = deque(maxlen=LATE_KEPT)  # straggler reports (mpcomm.trace.stragglers)
+
+    def follow(self, timeline) -> None:
+        """Record this lane's spans for ``timeline`` (None: stop): its ``ends`` becomes the timeline's
+        stand-in, which stores into the ring and keeps the span."""
+        self.timeline = timeline
+        self.ends = self.recorder.ends if timeline is None else timeline.ends_of(self)
 
     def started(self, plan, start: float) -> int:
         """Record that a collective run by ``plan`` started at ``start`` (``time.perf_counter()``, the caller's
@@ -221,7 +245,7 @@ class GroupTrace:
                 "last_completed_collective": self.collectives}
 
 
-def _describe(what, group: GroupTrace):
+def describe(what, group: GroupTrace):
     """(operation, algorithm, bytes, input sizes, output sizes, dtype, extra keys, peer) of a recorded call."""
     if type(what) is tuple:  # point to point: (operation, peer, shape, dtype, bytes, Work or None)
         operation, peer, shape, dtype, nbytes, _ = what

@@ -5,7 +5,9 @@
 - 3D training across nodes (``mpcomm-train --engine 3d``, tp inside a node) gives the losses and parameters of
   ``mpcomm-train --engine single``;
 - a node's link taken down in the middle of an all-reduce (``ip link set nic0 down`` on that node, from outside
-  the MPI job) ends the call on every rank with ``CommTimeoutError`` within the timeout: no hang.
+  the MPI job) ends the call on every rank with ``CommTimeoutError`` within the timeout: no hang;
+- the flight recorder's hangs (tests/test_trace_hangs.py: a rank that skips a collective, stops, or calls
+  broadcast): the dumps and the analyzer name the rank, with the ranks on several nodes.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from clusterenv import EXEC, NODES, RANKS_PER_NODE, cluster_mpiexec, only_on_cluster
+from test_trace_hangs import SCENARIOS, check_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 P = len(NODES) * RANKS_PER_NODE
@@ -107,3 +110,8 @@ def test_link_down_mid_collective_times_out_on_every_rank(tmp_path, algorithm):
     assert seconds_to_report < timeout + 30
     print(f"{algorithm}: every rank reported CommTimeoutError {seconds_to_report:.1f} s after the link went down; "
           f"seconds in the failing call: {[round(results[r]['seconds_in_call'], 2) for r in range(P)]}")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_the_flight_recorder_names_the_rank_across_nodes(scenario, tmp_path):
+    check_scenario(scenario, P, tmp_path, cluster_mpiexec())
