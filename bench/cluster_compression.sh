@@ -4,8 +4,8 @@
 #     all-reduce, float32 (auto, native, raw mpi4py) and --wire bf16,fp16,int8 interleaved in every run, --check on;
 #  2. 2x1: a size sweep 16 KiB..16 MiB of the same rows (where a wire starts to pay);
 #  3. one host, p = 2, no cluster: the same 64 MiB rows (what a wire costs where nothing crosses a network).
-# bench/compression_report.py makes the tables. Every run under flock /tmp/bench.lock (one timing job at a time).
-#   bench/cluster_compression.sh            # ~10 min on 2 quiet cores
+# bench/compression_report.py makes the tables. Run the whole script under the timing lock (one timing job at a time):
+#   flock /tmp/bench.lock bench/cluster_compression.sh            # ~10 min on 2 quiet cores
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -13,7 +13,7 @@ RATE=${RATE:-1gbit}
 REPS=${REPS:-3}
 PY=${PYTHON:-$PWD/.venv/bin/python}
 ROWS=(--op allreduce --algorithms auto --wire bf16,fp16,int8 -w 1 -n 5 --budget 3 --rounds 3 --check)
-run() { echo "+ $*" >&2; echo "    uptime: $(uptime)" >&2; flock /tmp/bench.lock timeout 900 "$@"; }
+run() { echo "+ $*" >&2; echo "    uptime: $(uptime)" >&2; timeout 900 "$@"; }
 for shape in 2x1 2x2; do
     nodes=${shape%x*} rpn=${shape#*x} p=$((${shape%x*} * ${shape#*x}))
     cluster=(ci/cluster.sh "$nodes" "$rpn" "$RATE" --)

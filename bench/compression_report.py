@@ -38,10 +38,10 @@ def report(paths: list[str], link_path: str | None) -> str:
         for name, values in rows.items():
             median = statistics.median(values)
             against = f"{bound / median:.2f}" if bound else "-"
-            lines.append(f"| {human_bytes(size)} | {name} | {min(values):.1f} | {median:.1f} | {max(values):.1f} | "
+            lines.append(f"| {human_bytes(size)} | {name} | {min(values):.4g} | {median:.4g} | {max(values):.4g} | "
                          f"{len(values)} | {against} | {plain / median:.2f} |")
         if bound:
-            lines.append(f"| {human_bytes(size)} | float32 link bound | | {bound:.1f} | | | 1.00 | |")
+            lines.append(f"| {human_bytes(size)} | float32 link bound | | {bound:.4g} | | | 1.00 | |")
     return "\n".join(lines) + "\n"
 
 

@@ -100,6 +100,25 @@ def test_lane_failure_reaches_wait_and_future():
     lane.close()
 
 
+def test_lane_future_callback_may_wait_on_a_job_it_issues():
+    """torch's powerSGD_hook issues a collective inside a future's callback and blocks on that one's future: the
+    lane must run it meanwhile (the callback ran on the worker, holding the lane, and waited forever before)."""
+    lane, log, job = _lane_with_log()
+    first, second = job("first"), job("second")
+    reached = threading.Event()
+
+    def issue_and_wait(_):
+        lane.submit(second)
+        lane.future_of(second).wait()
+        reached.set()
+
+    lane.future_of(first).then(issue_and_wait)
+    lane.submit(first)
+    assert reached.wait(20), "the callback's collective never ran"
+    assert [name for name, _ in log] == ["first", "second"]
+    lane.close()
+
+
 def test_lane_wait_with_timeout_leaves_the_job_running():
     lane, log, job = _lane_with_log()
     gate = threading.Event()

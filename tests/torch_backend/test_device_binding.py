@@ -74,6 +74,24 @@ def test_bound_to_cpu_as_gloo_is(spec):
     assert mpcomm["sum"] == gloo["sum"] == [float(i * SIZE + SIZE * (SIZE - 1) // 2) for i in range(5)]
 
 
+def _split_group_error() -> str:
+    try:
+        dist.split_group(split_ranks=[list(range(SIZE))])
+    except RuntimeError as exc:
+        return str(exc)
+    return "split"
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="torch splits the accelerator's backend there")
+def test_split_group_refused_as_on_gloo():
+    """``dist.split_group`` splits only a default group bound to a device (``bound_device_id``, which
+    ``init_process_group(device_id=...)`` sets for an accelerator only) and, without an accelerator, refuses before
+    it asks any CPU backend (distributed_c10d.py, torch 2.13.0 lines 5570 and 5596-5607, 2.14.1 lines 6607 and
+    6633-6644): a CPU backend cannot be split by torch, so mpcomm's refusal must be gloo's."""
+    on_gloo, on_mpcomm = on_backend("gloo", _split_group_error), on_backend("mpcomm", _split_group_error)
+    assert on_mpcomm == on_gloo and "not safe to split" in on_gloo
+
+
 # ============================================================================ point to point
 @multi
 @pytest.mark.parametrize("n", [0, 1, 7, 1000])

@@ -197,3 +197,12 @@ class AllreducePaths:
                 unpack(flat, arrays)
 
         return self._issue("allreduce_coalesced", body, tensors, opts)
+
+    def allreduce_compressed(self, tensor: torch.Tensor, wire: str | None) -> dist.Work:
+        """``tensor`` (float32) <- the average over ranks, sent as ``wire`` (``Communicator.allreduce(wire=...)``;
+        None: float32), queued on the group's lane like an asynchronous ``all_reduce``; the Work's result is
+        ``[tensor]``."""
+        array = as_numpy(tensor, "allreduce_compressed tensor")
+        algorithm = "auto" if wire is not None else self.algorithm
+        return self._issue(f"allreduce(wire={wire})", partial(self.comm.allreduce, array, AVG, algorithm, wire),
+                           [tensor], None)

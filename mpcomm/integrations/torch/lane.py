@@ -10,6 +10,10 @@ it runs:
   progress while backward computes; a ``wait()`` that finds its job (and those before it) still queued runs
   them itself instead of waiting for the worker to wake.
 
+A job's future is completed outside the lane (no thread holds it then), and the worker hands its role to a new
+thread while it completes one: torch runs a future's callbacks on the thread that completes it, and a callback may
+issue a collective on this group and block on it (torch's ``powerSGD_hook`` does), which only a free lane can run.
+
 A failure is raised by the synchronous call, by ``wait()``, and through ``get_future()``; never swallowed.
 """
 from __future__ import annotations
@@ -84,8 +88,7 @@ class Lane:
             self._queue.append(job)
             if self._threaded:
                 if self._worker is None:
-                    self._worker = threading.Thread(target=self._work, name=f"mpcomm-torch-{self._name}", daemon=True)
-                    self._worker.start()
+                    self._start_worker()
                 self._changed.notify_all()
         if not self._threaded:
             self.wait(job, None)
@@ -99,9 +102,10 @@ class Lane:
         while not job.done:
             if steal and self._running.acquire(False):
                 try:
-                    self._run_queued(until=job)
+                    finished = self._run_queued(until=job)
                 finally:
                     self._running.release()
+                _complete(finished)
                 continue
             with self._changed:
                 if job.done:
@@ -114,12 +118,14 @@ class Lane:
                         f"{timeout * 1000:.0f}ms for the collective to complete; it is still running")
                 self._changed.wait(0.05 if remaining is None else min(remaining, 0.05))
 
-    def _run_queued(self, until: Job | None) -> None:
-        """With ``_running`` held: run queued jobs in order, up to and including ``until`` (one job for None)."""
+    def _run_queued(self, until: Job | None) -> list[Future]:
+        """With ``_running`` held: run queued jobs in order, up to and including ``until`` (one job for None);
+        returns the futures of the jobs run, for the caller to complete once it has let go of the lane."""
+        finished: list[Future] = []
         while True:
             with self._changed:
                 if not self._queue or (until is not None and until.done):
-                    return
+                    return finished
                 job = self._queue.popleft()
             job.run()
             if isinstance(job.error, dist.DistBackendError):  # communication failed (not a bad argument)
@@ -129,19 +135,36 @@ class Lane:
                 future = job.future
                 self._changed.notify_all()
             if future is not None:
-                future.set_result(None)
+                finished.append(future)
             if until is None:
-                return
+                return finished
+
+    def _start_worker(self) -> None:
+        """With ``_changed`` held: a new thread takes the worker's role."""
+        self._worker = threading.Thread(target=self._work, name=f"mpcomm-torch-{self._name}", daemon=True)
+        self._worker.start()
 
     def _work(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._changed:
                 while not self._queue:
-                    if self._closed:
+                    if self._closed or self._worker is not me:
                         return
                     self._changed.wait()
             with self._running:
-                self._run_queued(until=None)
+                finished = self._run_queued(until=None)
+            if not finished:
+                continue
+            with self._changed:  # the callbacks may wait on later jobs: a new worker runs those meanwhile
+                self._worker = None
+                if self._queue and not self._closed:
+                    self._start_worker()
+            _complete(finished)
+            with self._changed:
+                if self._worker is not None or self._closed:
+                    return
+                self._worker = me
 
     def future_of(self, job: Job) -> Future:
         """A torch Future completed (or failed) with the job. The job's own trigger future is made on demand, so jobs
@@ -166,10 +189,17 @@ class Lane:
         if worker is not None and worker is not threading.current_thread():
             worker.join()
         with self._running:
-            self._run_queued(until=_NEVER)
+            finished = self._run_queued(until=_NEVER)
+        _complete(finished)
 
 
 _NEVER = Job(None, None, "")  # never done: _run_queued(until=_NEVER) drains the queue
+
+
+def _complete(futures: list[Future]) -> None:
+    """Completes the trigger futures of finished jobs, running the callbacks chained on them (outside the lane)."""
+    for future in futures:
+        future.set_result(None)
 
 
 def outcome(trigger: Future, result: Callable[[], Any], error: Callable[[], BaseException | None]) -> Future:
