@@ -219,6 +219,27 @@ class Transport:
         self.wait([self.mpi.Ibcast(data, root)], self.others)
         return obj if self.rank == root else pickle.loads(data.tobytes())
 
+    def gather_object(self, obj, root: int = 0, tag: int = 0) -> list | None:
+        """Every rank's ``obj`` (pickled) on ``root``, in rank order, None elsewhere: a length then the bytes, sent
+        point to point so that only ``root`` holds them all."""
+        size = np.zeros(1, dtype=np.int64)
+        if self.rank != root:
+            data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+            size[0] = data.size
+            self.send(size, root, tag)
+            self.send(data, root, tag)
+            return None
+        everyone = []
+        for r in range(self.size):
+            if r == root:
+                everyone.append(obj)
+                continue
+            self.recv(size, r, tag)
+            data = np.empty(int(size[0]), dtype=np.uint8)
+            self.recv(data, r, tag)
+            everyone.append(pickle.loads(data.tobytes()))
+        return everyone
+
     def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0) -> None:
         """Send ``sendbuf`` to ``dst`` while receiving ``recvbuf`` from ``src``."""
         if dst == self.rank and src == self.rank:

@@ -51,6 +51,8 @@ def test_objects_are_shared_in_rank_order_and_from_any_root(comm):
     assert in_step(lambda: comm.allgather_object({"rank": comm.rank})) == [{"rank": r} for r in range(comm.size)]
     root = comm.size - 1
     assert in_step(lambda: comm.bcast_object(("from", comm.rank), root=root)) == ("from", root)
+    gathered = in_step(lambda: comm.transport.gather_object({"rank": comm.rank}, root=root))
+    assert gathered == ([{"rank": r} for r in range(comm.size)] if comm.rank == root else None)
 
 
 def test_bcast_object_refuses_a_root_that_is_no_rank(comm):

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import socket
 import time
 import warnings
-from typing import Any, Iterable
+from typing import Iterable
 
-import numpy as np
 from mpi4py import MPI
 
 from ..errors import MpcommError
@@ -94,7 +92,7 @@ class Timeline:
             with t.running(f"timeline({self.path!r}): measuring the clock offsets again"):
                 offsets = clocks.measure(t)
             with t.running(f"timeline({self.path!r}): sending the spans to rank 0"):
-                everyone = _gather(t, self._records())
+                everyone = t.gather_object(self._records(), 0, _TAG)
             if everyone is not None:
                 assert self.offsets is not None and offsets is not None  # rank 0 measured both
                 events = chrome.trace_events(everyone, self.offsets, offsets, self.started)
@@ -202,25 +200,6 @@ class NoSpan:
 
 
 NO_SPAN = NoSpan()
-
-
-def _gather(t: Transport, records: Any) -> list | None:
-    """Every rank's ``records`` on rank 0 (in rank order), None elsewhere: a length then the pickled bytes, sent
-    point to point so that only rank 0 holds them all."""
-    size = np.zeros(1, dtype=np.int64)
-    if t.rank != 0:
-        data = np.frombuffer(pickle.dumps(records), dtype=np.uint8)
-        size[0] = data.size
-        t.send(size, 0, _TAG)
-        t.send(data, 0, _TAG)
-        return None
-    everyone = [records]
-    for r in range(1, t.size):
-        t.recv(size, r, _TAG)
-        data = np.empty(int(size[0]), dtype=np.uint8)
-        t.recv(data, r, _TAG)
-        everyone.append(pickle.loads(data.tobytes()))
-    return everyone
 
 
 def _unwritable(path: str) -> str | None:
