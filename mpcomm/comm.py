@@ -220,9 +220,12 @@ class Communicator(Dispatcher):
             self._rejected(self._sync, "allreduce", exc)
         return buf
 
-    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: str = SUM, algorithm: str = "auto") -> Any:
-        """``recvbuf`` <- chunk ``rank`` of the reduction of ``sendbuf`` (``sendbuf.size == size * recvbuf.size``)."""
-        return self._checked(self._reduce_scatter, "reduce_scatter", sendbuf, recvbuf, op, algorithm)
+    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: str = SUM, algorithm: str = "auto",
+                       wire: str | None = None) -> Any:
+        """``recvbuf`` <- chunk ``rank`` of the reduction of ``sendbuf`` (``sendbuf.size == size * recvbuf.size``).
+        ``wire`` ("bf16", "fp16", "int8"; float32 buffers, op sum or avg) sends every chunk compressed and adds the
+        decoded chunks in float32 (``algorithms/compressed.py``)."""
+        return self._checked(self._reduce_scatter, "reduce_scatter", sendbuf, recvbuf, op, algorithm, wire)
 
     def all_gather(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Any:
         """``recvbuf`` <- every rank's ``sendbuf`` in rank order (``recvbuf.size == size * sendbuf.size``)."""
@@ -266,8 +269,9 @@ class Communicator(Dispatcher):
         """Start an all-reduce on the progress thread; ``wait()`` returns ``buf``."""
         return self._submit("allreduce", self._allreduce_returning, buf, op, algorithm, wire)
 
-    def ireduce_scatter(self, sendbuf: Any, recvbuf: Any, op: str = SUM, algorithm: str = "auto") -> Work:
-        return self._submit("reduce_scatter", self._reduce_scatter, sendbuf, recvbuf, op, algorithm)
+    def ireduce_scatter(self, sendbuf: Any, recvbuf: Any, op: str = SUM, algorithm: str = "auto",
+                        wire: str | None = None) -> Work:
+        return self._submit("reduce_scatter", self._reduce_scatter, sendbuf, recvbuf, op, algorithm, wire)
 
     def iall_gather(self, sendbuf: Any, recvbuf: Any, algorithm: str = "auto") -> Work:
         return self._submit("all_gather", self._all_gather, sendbuf, recvbuf, algorithm)
@@ -380,10 +384,13 @@ class Communicator(Dispatcher):
         with WorkArray(array, plan.wire) as work:
             self.run(plan, work, plan.rop, transport=t)
 
-    def _reduce_scatter(self, t: Transport, sendbuf, recvbuf, op, algorithm):
+    def _reduce_scatter(self, t: Transport, sendbuf, recvbuf, op, algorithm, wire=None):
         send, recv = as_input(sendbuf, "reduce_scatter"), as_output(recvbuf, "reduce_scatter")
         self._check_pair("reduce_scatter", send, recv, send.size, recv.size * self.size, "sendbuf", "size * recvbuf")
-        plan = self.plan("reduce_scatter", recv, op, algorithm)
+        if wire is None:
+            plan = self.plan("reduce_scatter", recv, op, algorithm)
+        else:
+            plan = self.compressed_plan(recv, op, algorithm, wire, "reduce_scatter")
         with WorkArray(recv, plan.wire) as out:
             self.run(plan, self._input(send, plan.wire, out), out, plan.rop, transport=t)
         return recvbuf

@@ -153,15 +153,16 @@ class Dispatcher:
             self._plans[key] = plan
         return plan
 
-    def compressed_plan(self, array: Any, op: str, algorithm: str, wire: str) -> Plan:
-        """The plan of an all-reduce of ``array`` sent as ``wire`` (a codec of ``mpcomm.compression``; see
-        ``algorithms/compressed.py``). Local checks, before any communication: a known wire, a host float32 array
-        (float64 too is refused rather than silently narrowed), op sum or avg, algorithm auto."""
+    def compressed_plan(self, array: Any, op: str, algorithm: str, wire: str, operation: str = "allreduce") -> Plan:
+        """The plan of an all-reduce (or a reduce-scatter: ``array`` is then the receive buffer) of ``array`` sent
+        as ``wire`` (a codec of ``mpcomm.compression``; see ``algorithms/compressed.py``). Local checks, before any
+        communication: a known wire, a host float32 array (float64 too is refused rather than silently narrowed),
+        op sum or avg, algorithm auto."""
         try:
             wire_codec = codec(wire)
         except ValueError as exc:
-            raise ValueError(f"allreduce: {exc}") from None
-        described = f"allreduce with wire={wire!r}"
+            raise ValueError(f"{operation}: {exc}") from None
+        described = f"{operation} with wire={wire!r}"
         if algorithm != "auto":
             raise ValueError(f"{described} runs the compressed algorithm: pass algorithm='auto', not algorithm "
                              f"{algorithm!r}")
@@ -171,11 +172,12 @@ class Dispatcher:
         if array.dtype != np.float32:
             raise TypeError(f"{described}: the buffer must be float32 (the codecs encode float32 and accumulate in "
                             f"float32), got {array.dtype} of shape {array.shape}; cast it, or pass wire=None")
-        if reduce_op(op, "allreduce").name not in (SUM, AVG):
+        if reduce_op(op, operation).name not in (SUM, AVG):
             raise TypeError(f"{described}: op {op!r} is not supported with a lossy wire; use 'sum' or 'avg', or "
                             "wire=None")
-        base = self.plan("allreduce", array, op, "direct")
-        return base.compressed(wire, functools.partial(compressed.allreduce, codec=wire_codec))
+        base = self.plan(operation, array, op, "direct")
+        algorithm_of = {"allreduce": compressed.allreduce, "reduce_scatter": compressed.reduce_scatter}
+        return base.compressed(wire, functools.partial(algorithm_of[operation], codec=wire_codec))
 
     def run(self, plan: Plan, *buffers: Any, transport: Transport | None = None, counts: tuple | None = None,
             record: bool = True) -> None:

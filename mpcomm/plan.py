@@ -82,7 +82,8 @@ class Plan:
         return plan
 
     def compressed(self, wire: str, fn: Callable[..., Any]) -> "Plan":
-        """This all-reduce plan sent through the codec ``wire`` by ``fn(transport, buf, rop)``: algorithm
+        """This all-reduce (or reduce-scatter) plan sent through the codec ``wire`` by ``fn`` (the compressed
+        algorithm, called as the plain one): algorithm
         ``compressed:WIRE`` in stats and labels, and the wire in the signature (``validate=True`` compares it)."""
         plan = copy.copy(self)
         plan.algorithm = f"compressed:{wire}"

@@ -18,6 +18,19 @@ all-gather that every member decodes, its own chunk included. So on every rank, 
 with ``roundtrip`` the codec's (one node: both roundings of the one sum; one rank per node: of each rank's input).
 Chosen over recompressing the partial sums at every ring hop: the same bytes and about the same codec passes, but
 one rounding per contribution instead of p - 1 of growing partial sums (measured: bench/results/compression.md).
+
+The compressed reduce-scatter (``comm.reduce_scatter(send, recv, wire=...)``, FSDP's gradient reduction) is the
+first half of that exchange over all ranks, on the caller's equal chunks: each rank encodes chunk j of its send
+buffer once (chunk j on its own: an int8 chunk's blocks start at the chunk's start) and sends it to rank j; rank j
+decodes the p contributions, its own included, adds them in float32 in rank order and finishes (avg: / p). So on
+rank j, bit for bit::
+
+    recv = sum over ranks k in order of roundtrip(send_k[chunk j]) [/ p]
+
+one rounding per contribution and none of the sum (it stays on its rank): a rank's own loss,
+``send - roundtrip(chunk by chunk)``, is exactly what the wire took from it (FSDP's error feedback keeps that).
+Every rank sends compressed, on one node or many (no node-local float32 stage: the sum of a node's ranks would be
+rounded once for all of them, and a rank's own loss would no longer be what it kept).
 """
 from __future__ import annotations
 
@@ -26,7 +39,7 @@ import numpy as np
 from ..buffers import ReduceOp
 from ..compression import Codec
 from ..transport import Transport
-from .chunks import aligned_bounds
+from .chunks import aligned_bounds, equal_bounds
 from .direct import exchange_segments
 from .ring import all_gather_chunks
 
@@ -49,20 +62,40 @@ def exchange(t: Transport, buf: np.ndarray, op: ReduceOp, codec: Codec) -> None:
     """The compressed all-reduce among the ranks of ``t`` (see the module docstring)."""
     r = t.rank
     bounds = aligned_bounds(buf.size, t.size, codec.block)
-    places = payload_bounds(codec, bounds)
-    payload = t.scratch("compressed.payload", places[-1][1], np.uint8, like=buf)
-    for (lo, hi), (start, stop) in zip(bounds, places):
-        codec.encode(buf[lo:hi], payload[start:stop])
-    parts = in_rank_order(r, exchange_segments(t, payload, places))
+    payload, places = encode_chunks(t, buf, bounds, codec)
     mine = buf[slice(*bounds[r])]
-    codec.decode(parts[0], mine)
-    for part in parts[1:]:
-        codec.accumulate(part, mine)
-    op.finish(mine)
+    reduce_own_chunk(t, payload, places, mine, op, codec)
     codec.encode(mine, payload[slice(*places[r])])
     all_gather_chunks(t, payload, places)
     for (lo, hi), (start, stop) in zip(bounds, places):
         codec.decode(payload[start:stop], buf[lo:hi])
+
+
+def reduce_scatter(t: Transport, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp, codec: Codec) -> None:
+    """``recvbuf`` <- the compressed reduction of chunk ``t.rank`` of every rank's ``sendbuf`` (contiguous 1-D
+    float32, ``sendbuf.size == t.size * recvbuf.size``; see the module docstring)."""
+    payload, places = encode_chunks(t, sendbuf, equal_bounds(recvbuf.size, t.size), codec)
+    reduce_own_chunk(t, payload, places, recvbuf, op, codec)
+
+
+def encode_chunks(t: Transport, buf: np.ndarray, bounds: list[tuple[int, int]],
+                  codec: Codec) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Every chunk of ``buf`` encoded once, one after another in a scratch payload; and where each lies in it."""
+    places = payload_bounds(codec, bounds)
+    payload = t.scratch("compressed.payload", places[-1][1], np.uint8, like=buf)
+    for (lo, hi), (start, stop) in zip(bounds, places):
+        codec.encode(buf[lo:hi], payload[start:stop])
+    return payload, places
+
+
+def reduce_own_chunk(t: Transport, payload: np.ndarray, places: list[tuple[int, int]], out: np.ndarray,
+                     op: ReduceOp, codec: Codec) -> None:
+    """``out`` <- every rank's encoded chunk ``t.rank`` decoded and added in float32 in rank order, finished."""
+    parts = in_rank_order(t.rank, exchange_segments(t, payload, places))
+    codec.decode(parts[0], out)
+    for part in parts[1:]:
+        codec.accumulate(part, out)
+    op.finish(out)
 
 
 def payload_bounds(codec: Codec, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
