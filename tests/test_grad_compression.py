@@ -298,17 +298,6 @@ def test_load_state_of_another_model_or_mode_is_refused(comm):
         ddp.load_compression_state_dict({**good, "error": {"0.fc1.bias": np.zeros(3)}})
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("compression", ["bf16", "fp16", "int8", "powersgd:2", "auto"])
-def test_fsdp_compression_is_not_implemented(comm, compression):
-    from mpcomm.parallel.fsdp import FullyShardedDataParallel
-    with pytest.raises(NotImplementedError, match=rf"FullyShardedDataParallel\(compression='{compression}'\): "
-                                                  "compressing FSDP's gradient reduce-scatter"):
-        FullyShardedDataParallel(workload().model(), comm, compression=compression)
-    with pytest.raises(ConfigError, match="compression must be None"):
-        FullyShardedDataParallel(workload().model(), comm, compression="int4")
-
-
 # ------------------------------------------------------------------------------------------------ wires
 
 def on_the_wire(wire, x):

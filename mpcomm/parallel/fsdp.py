@@ -32,7 +32,8 @@ from ..nn.backend import array_module, to_numpy
 from . import fsdp_checkpoint
 from .fsdp_checkpoint import check_optimizer
 from .flat_param import FlatLayout
-from .grad_compression import parse_compression
+from .fsdp_compression import ShardedCompressor, check_compression
+from .grad_compression import DEFAULT_WARMUP_STEPS, parse_compression
 from .fsdp_schedule import Schedule
 from .fsdp_unit import FlatUnit, Groups, MemoryTracker, placeholder
 from .same_model import check_same_model
@@ -103,23 +104,22 @@ class FullyShardedDataParallel:
         copy it to the device to gather. With numpy parameters there is no device: it is a no-op
         (``self.cpu_offload_active`` is False).
     sync_module_states: broadcast rank 0's parameters before sharding (so every rank starts identical).
-    compression: only None. Compressing FSDP's gradient reduce-scatter with error feedback is not implemented: any
-        mode DDP takes raises NotImplementedError (a bad name, ConfigError as in DDP). A bf16/fp16 reduce-scatter
-        without error feedback is ``MixedPrecision(reduce_dtype=...)``.
+    compression: None, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"auto"``: the gradient reduce-scatter sent
+        compressed, with error feedback (:mod:`mpcomm.parallel.fsdp_compression`: float32 numpy gradients,
+        full_shard / shard_grad_op; ``"powersgd:R"`` and the other strategies raise NotImplementedError, a bad name
+        ConfigError as in DDP). Error feedback keeps, on every rank, one float32 buffer the size of each unit's
+        unsharded gradient.
+    compression_warmup_steps: exact backward passes before compression starts (default 10).
+    error_feedback: carry each rank's compression error into its next step's gradient (default True).
     """
 
     def __init__(self, module: Module, comm: Communicator, sharding_strategy: str = "full_shard",
                  auto_wrap_policy: Any = None, mixed_precision: MixedPrecision | None = None,
                  backward_prefetch: str | None = "pre", forward_prefetch: bool = False,
                  limit_all_gathers: bool = True, cpu_offload: bool = False, sync_module_states: bool = True,
-                 compression: str | None = None):
-        spec = parse_compression(compression)
-        if spec is not None:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel(compression={compression!r}): compressing FSDP's gradient reduce-scatter "
-                "with error feedback is not implemented (each rank would keep an error as large as every unit's "
-                "unsharded gradient); use DistributedDataParallel(compression=...), or "
-                "MixedPrecision(reduce_dtype=bfloat16) for a bf16 reduce-scatter without error feedback")
+                 compression: str | None = None, compression_warmup_steps: int = DEFAULT_WARMUP_STEPS,
+                 error_feedback: bool = True):
+        spec = parse_compression(compression, compression_warmup_steps, error_feedback)
         if not isinstance(module, Module):
             raise TypeError(f"FullyShardedDataParallel wraps an mpcomm.nn.Module, got {type(module).__name__}")
         if not isinstance(comm, Communicator):
@@ -129,6 +129,8 @@ class FullyShardedDataParallel:
         except ValueError:
             raise ValueError(f"unknown sharding_strategy {sharding_strategy!r}; choose one of "
                              f"{[s.value for s in ShardingStrategy]}") from None
+        if spec is not None:
+            check_compression(spec, self.strategy.value)
         if backward_prefetch is not None:
             try:
                 backward_prefetch = BackwardPrefetch(backward_prefetch).value
@@ -148,6 +150,9 @@ class FullyShardedDataParallel:
         self.groups = _make_groups(comm, self.strategy)
         self.tracker = MemoryTracker()
         self.units = [self._build_unit(plan, sync_module_states) for plan in plans]
+        self.compressor = None if spec is None else ShardedCompressor(spec, comm, self.units)
+        for u in self.units:
+            u.compressor = self.compressor
         reshard = self.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         self.schedule = Schedule(self.units, reshard, backward_prefetch, bool(forward_prefetch),
                                  bool(limit_all_gathers))
@@ -215,6 +220,8 @@ class FullyShardedDataParallel:
             grad_y = grad_y.astype(mp, copy=False)
         gx = self.module.backward(grad_y, ctx)
         self.schedule.end_backward()
+        if self.compressor is not None:
+            self.compressor.finish_step()
         self._in_step = False
         if gx is not None and self._input_dtype is not None and _is_float(gx) and gx.dtype != self._input_dtype:
             gx = gx.astype(self._input_dtype)
@@ -302,6 +309,22 @@ class FullyShardedDataParallel:
         """Gather the full state dict (collective) and write it on rank 0 as one ``.npz`` (atomic)."""
         fsdp_checkpoint.save_full(self, path)
 
+    # ---- gradient compression ------------------------------------------------------------------
+    def compression_state_dict(self) -> dict | None:
+        """This rank's compression state (steps, its error per unit), or None without compression. ``save_sharded``
+        stores it with the checkpoint; see :mod:`mpcomm.parallel.fsdp_compression`."""
+        return None if self.compressor is None else self.compressor.state_dict(self.units)
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        """Restore :meth:`compression_state_dict` (this rank's)."""
+        if self.compressor is None:
+            raise ConfigError("load_compression_state_dict: this FullyShardedDataParallel has no compression")
+        self.compressor.load_state_dict(state, self.units)
+
+    def compression_choices(self) -> dict[str, str]:
+        """Unit name -> what its last gradient reduction did ("exact" or the wire); empty without compression."""
+        return {} if self.compressor is None else dict(self.compressor.last_choice)
+
     # ---- measurements --------------------------------------------------------------------------
     def memory_stats(self, optimizer: Optimizer | None = None) -> dict[str, int]:
         """Bytes measured from the arrays alive now, plus the peaks of transient buffers in the last step.
@@ -309,6 +332,7 @@ class FullyShardedDataParallel:
         ``peak_param_bytes`` = sharded params + peak of gathered param buffers alive at once.
         ``peak_total_bytes`` = sharded params + sharded grads + optimizer state (as they are now)
         + the peak of gathered params and unsharded gradients alive at once during the last step.
+        ``compression_error_bytes``: the error feedback buffers kept between steps (compression), in neither.
         """
         sharded = sum(int(u.shard.data.nbytes) for u in self.units)
         grads = sum(int(u.shard.grad.nbytes) for u in self.units if u.shard.grad is not None)
@@ -331,6 +355,7 @@ class FullyShardedDataParallel:
             "full_model_bytes": sum(u.layout.numel * u.master_dtype.itemsize for u in self.units),
             "largest_unit_bytes": max(u.layout.padded_numel * np.dtype(u.param_dtype).itemsize for u in self.units),
             "padding_elements": sum(u.layout.padding for u in self.units),
+            "compression_error_bytes": 0 if self.compressor is None else self.compressor.error_bytes(),
         }
 
     def schedule_stats(self) -> dict[str, int]:

@@ -8,13 +8,17 @@ Sharded layout under ``path``::
                                     dtypes, optimizer keys and scalars, and {"files": {name: {"bytes", "crc32"}}}
     v000003/u0000.param.s00001.npy  unit 0's flat parameter shard 1 of shard_count
     v000003/u0000.exp_avg.s00001.npy  (optimizer moments are flat and sharded like the parameter)
+    v000003/u0000.error.r00001.npy  with compression: world rank 1's error feedback of unit 0 (unpadded, the
+                                    unit's whole gradient), and ``metadata["compression"]`` its mode and step count
 
 Every file is written to a temporary name in its own directory, fsync'ed and ``os.replace``d. A save
 writes a new version directory and only then swaps ``LATEST``, so a crash at any point before that swap
 leaves the previous checkpoint complete and loadable; old versions are removed after the swap.
 Loading at a different world size reads, for each new shard, the ranges of the old shard files that
 cover it (:func:`flat_param.reshard_plan`). Replicas (hybrid_shard, no_shard) hold identical shards, so only
-replica 0 writes.
+replica 0 writes. Compression errors (``fsdp_compression``) are per rank, not shards: at the same world size each
+rank loads its own (a resumed run continues bitwise), at another each loads the mean of the saved ranks' errors
+(what the average still owes); a checkpoint without them starts the engine's compression afresh (warm-up first).
 
 Integrity: the byte count and CRC-32 of every shard file are recorded in ``metadata.json``, and those of
 ``metadata.json`` in ``LATEST``. A load verifies every file it reads in full before it changes anything, then the
@@ -181,6 +185,11 @@ def _shard_name(unit: int, key: str, index: int) -> str:
     return f"u{unit:04d}.{key}.s{index:05d}.npy"
 
 
+def _error_name(unit: int, rank: int) -> str:
+    """The file of world rank ``rank``'s compression error of unit ``unit``."""
+    return f"u{unit:04d}.error.r{rank:05d}.npy"
+
+
 # ---- reading and verifying ---------------------------------------------------------------------
 def _read_file(path: str, record: dict | None, recorded_in: str) -> bytes:
     """The bytes of ``path``, checked against its ``record`` ({"bytes", "crc32"}, kept in ``recorded_in``)."""
@@ -338,7 +347,12 @@ def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optim
                     files[name] = _write_npy(os.path.join(directory, name), to_numpy(value))
             units_meta.append({"name": u.name, "dtype": str(u.master_dtype), "layout": u.layout.to_json(),
                                "optimizer": {"arrays": sorted(arrays), "scalars": scalars}})
+            if compression is not None and u.name in compression["error"]:
+                name = _error_name(i, comm.rank)
+                files[name] = _write_npy(os.path.join(directory, name), compression["error"][u.name])
         return units_meta, files
+
+    compression = engine.compression_state_dict()
 
     units_meta, files = _on_every_rank(comm, what, write_shards)
     every_file = {}  # every shard file is in place (this is collective) before the version can become LATEST
@@ -352,6 +366,9 @@ def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optim
                 "strategy": engine.strategy.value, "units": units_meta,
                 "optimizer": type(optimizer).__name__ if optimizer is not None else None,
                 "files": dict(sorted(every_file.items()))}
+        if compression is not None:  # (every rank holds errors of the same units: the choices are collective)
+            meta["compression"] = {"mode": compression["mode"], "steps": compression["steps"],
+                                   "units": [i for i, u in enumerate(engine.units) if u.name in compression["error"]]}
         record = _write_json(os.path.join(directory, "metadata.json"), meta)
         _write_json(os.path.join(path, "LATEST"), {"version": os.path.basename(directory), "metadata": record})
         for name in os.listdir(path):  # older versions and leftovers of crashed saves (only our own names)
@@ -368,8 +385,8 @@ def load_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optim
     """Verify and read this rank's shards; only when every rank succeeded is anything changed (collective)."""
     if optimizer is not None:
         check_optimizer(engine, optimizer)
-    staged = _on_every_rank(engine.comm, f"FSDP load_sharded({path!r})",
-                            lambda: _read_sharded(engine, path, optimizer is not None))
+    staged, compression = _on_every_rank(engine.comm, f"FSDP load_sharded({path!r})",
+                                         lambda: _read_sharded(engine, path, optimizer is not None))
     # Every rank has finished reading (the agreement is collective): a later save may delete this version.
     new_state = {}
     for i, (u, (param, state)) in enumerate(zip(engine.units, staged)):
@@ -380,10 +397,13 @@ def load_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optim
                             for k, v in state.items()}
     if optimizer is not None:
         optimizer.state = new_state
+    if compression is not None:
+        engine.load_compression_state_dict(compression)
 
 
-def _read_sharded(engine, path: str, with_optimizer: bool) -> list[tuple[np.ndarray, dict]]:
-    """This rank's (parameter shard, optimizer state) per unit, every file read verified; nothing is changed."""
+def _read_sharded(engine, path: str, with_optimizer: bool) -> tuple[list[tuple[np.ndarray, dict]], dict | None]:
+    """This rank's (parameter shard, optimizer state) per unit, and its compression state (None: the engine does
+    not compress), every file read verified; nothing is changed."""
     directory, meta_record = _read_latest(path)
     meta = _read_metadata(directory, meta_record)
     meta_file = os.path.join(directory, "metadata.json")
@@ -430,7 +450,43 @@ def _read_sharded(engine, path: str, with_optimizer: bool) -> list[tuple[np.ndar
             state = dict(um["optimizer"]["scalars"])
             state.update((key, read(key)) for key in um["optimizer"]["arrays"])
         staged.append((read("param"), state))
-    return staged
+    return staged, _read_compression(engine, directory, meta, files)
+
+
+def _read_compression(engine, directory: str, meta: dict, files: dict | None) -> dict | None:
+    """This rank's compression state from the checkpoint (see the module docstring), or None without compression."""
+    if engine.compressor is None:
+        return None
+    mode = engine.compressor.spec.name
+    saved = meta.get("compression")
+    if saved is None:
+        return {"mode": mode, "steps": 0, "error": {}}
+    meta_file = os.path.join(directory, "metadata.json")
+    if saved["mode"] != mode:
+        raise CheckpointError(f"{meta_file}: saved with compression={saved['mode']!r}, this engine uses {mode!r}")
+    old_world, world, rank = int(meta["world_size"]), engine.comm.size, engine.comm.rank
+    error = {}
+    for i in saved["units"]:
+        u = engine.units[i]
+        ranks = [rank] if old_world == world else range(old_world)
+        total = np.zeros(u.layout.numel, dtype=np.float64)
+        for old_rank in ranks:
+            name = _error_name(i, old_rank)
+            if files is not None and name not in files:
+                raise CheckpointError(f"{meta_file} is damaged: it records no checksum for {name}")
+            file = os.path.join(directory, name)
+            src = _parse_npy(file, _read_file(file, None if files is None else files[name], meta_file))
+            if src.shape != (u.layout.numel,) or src.dtype != np.float32:
+                raise CheckpointError(f"{file} holds {src.shape} {src.dtype}, unit {u.name!r}'s error is "
+                                      f"({u.layout.numel},) float32")
+            if len(ranks) == 1:
+                error[u.name] = src
+                break
+            total += src
+        else:
+            error[u.name] = (total / old_world).astype(np.float32)
+    return {"mode": mode, "steps": int(saved["steps"]), "error": error}
+
 
 
 # ---- full -----------------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ class FlatUnit:
     gather_span: Span | NoSpan = NO_SPAN  # the gather in flight, for the timeline
     grad_flat: Any = None
     pending: list = field(default_factory=list)
+    compressor: Any = None            # a fsdp_compression.ShardedCompressor: compresses the reduce-scatter
 
     @property
     def master_dtype(self) -> np.dtype:
@@ -182,7 +183,10 @@ class FlatUnit:
             self.tracker.alloc("grad", out.nbytes)
             nbytes += out.nbytes
             span = shard.span(f"fsdp reduce-scatter {self.name}", bytes=g.nbytes)
-            work = shard.ireduce_scatter(g, out, op="avg")
+            if self.compressor is None:
+                work = shard.ireduce_scatter(g, out, op="avg")
+            else:
+                work = self.compressor.reduce_scatter(self.name, g, out)
             self.pending.append(_PendingReduce(work, out, nbytes, span))
         elif self.groups.replicate is not None and self.groups.replicate.size > 1 and self.layout.shard_count == 1:
             span = self.groups.replicate.span(f"fsdp all-reduce {self.name}", bytes=g.nbytes)

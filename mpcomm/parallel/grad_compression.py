@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .ddp import Bucket
 
 __all__ = ["CompressionSpec", "parse_compression", "GradCompressor", "merge_states", "DEFAULT_WARMUP_STEPS",
-           "WIRES"]
+           "WIRES", "cheapest_wire"]
 
 AUTO_WIRES = ("bf16", "int8")  # fp16 is left out: gradients past 65504 would become inf
 DEFAULT_WARMUP_STEPS = 10  # exact steps first: early gradients are large and change fast (torch's hook: 1000)
@@ -125,7 +125,7 @@ class GradCompressor:
             return "exact"
         if self.spec.mode != "auto":
             return self.spec.mode
-        return _cheapest_wire(self.comm, bucket.numel) or "exact"
+        return cheapest_wire(self.comm, bucket.numel) or "exact"
 
     # -- error feedback --------------------------------------------------------------------------
     def _feedback(self, bucket: "Bucket") -> Callable[[], None]:
@@ -311,7 +311,7 @@ def orthogonalize(p: Any) -> Any:
     return q * signs
 
 
-def _cheapest_wire(comm: Communicator, numel: int) -> str | None:
+def cheapest_wire(comm: Communicator, numel: int) -> str | None:
     """Of the wires ``auto`` may use, the one the communicator's cost model prices cheapest for a float32 all-reduce
     of ``numel`` elements among those it says pay (``Selector.wire_pays``: one host never), or None (exact)."""
     nbytes = 4 * numel

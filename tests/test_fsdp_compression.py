@@ -1,0 +1,247 @@
+"""FSDP's compressed gradient reduce-scatter with error feedback, against numpy on the gathered local gradients.
+
+    timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test_fsdp_compression.py   (N = 1..4)
+
+The reference of a compressed step (``mpcomm/parallel/fsdp_compression.py``): every rank's own unsharded gradient
+g_k of each unit (a one-process model at the engine's parameters on that rank's part of the batch, flattened in the
+unit's layout) plus its kept error e_k is sent; shard j of the result is the float32 sum in rank order of each
+rank's chunk j put through the wire (bf16/fp16: the ml_dtypes/numpy cast; int8: the codec on the chunk), / p; each
+rank keeps e_k = sent_k - wire(sent_k), chunk by chunk. One rank sends nothing: its gradient stays exact.
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from conftest import WORLD, run_gathered
+from test_fsdp import _sub, adam, assert_close, reference, sgd, shared_tmpdir, train
+from test_wire import on_the_wire
+
+from mpcomm import ConfigError
+from mpcomm.nn import SGD, TransformerMLPBlock, mse_loss
+from mpcomm.parallel.fsdp import FullyShardedDataParallel, MixedPrecision
+from mpcomm.parallel.fsdp_checkpoint import CheckpointError
+from mpcomm.workload import Workload
+
+pytestmark = pytest.mark.mpi
+COMM_TIMEOUT = 60
+P, RANK = WORLD.Get_size(), WORLD.Get_rank()
+WL32 = Workload(num_layers=3, d_model=8, d_hidden=12, global_batch=12, seed=3, dtype="float32")
+BIG = Workload(num_layers=2, d_model=40, d_hidden=300, global_batch=12, seed=5, dtype="float32")  # int8 blocks
+POLICY = {TransformerMLPBlock}
+
+
+def engine_of(comm, compression, warmup=0, error_feedback=True, workload=WL32, **kwargs):
+    return FullyShardedDataParallel(workload.model(), comm, auto_wrap_policy=POLICY, compression=compression,
+                                    compression_warmup_steps=warmup, error_feedback=error_feedback, **kwargs)
+
+
+def local_flat_grads(engine, workload, step):
+    """This rank's own unsharded gradient of every unit at the engine's parameters (one process, no FSDP)."""
+    model = workload.model()
+    model.load_state_dict(engine.full_state_dict())
+    x, y = workload.local_batch(step, RANK, P)
+    out, ctx = model.forward(x)
+    _, g = mse_loss(out, y)
+    model.backward(g, ctx)
+    grads = dict((n, p.grad) for n, p in model.named_parameters())
+    return {u.name: u.layout.flatten([grads[i.name] for i in u.layout.params], np, np.float32) for u in engine.units}
+
+
+def engine_step(engine, workload, step):
+    x, y = workload.local_batch(step, RANK, P)
+    engine.zero_grad()
+    out, ctx = engine.forward(x)
+    _, g = mse_loss(out, y)
+    engine.backward(g, ctx)
+
+
+# -------------------------------------------------------------------------------------- the wire's statement
+@pytest.mark.parametrize("wire", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("error_feedback", [True, False])
+@pytest.mark.parametrize("workload", [WL32, BIG], ids=["small", "big"])
+def test_compressed_steps_match_numpy_on_the_gathered_gradients(comm, wire, error_feedback, workload):
+    engine = engine_of(comm, wire, error_feedback=error_feedback, workload=workload)
+    opt = SGD(engine.parameters(), lr=0.1)
+    errors = {u.name: np.zeros(u.layout.padded_numel, np.float32) for u in engine.units}  # numpy's, this rank's
+    for step in range(3):
+        grads = local_flat_grads(engine, workload, step)
+        engine_step(engine, workload, step)
+        for u in engine.units:
+            sent = grads[u.name] + errors[u.name] if error_feedback else grads[u.name]
+            everyone = WORLD.allgather(sent)
+            n = u.layout.shard_numel
+            lo, hi = RANK * n, (RANK + 1) * n
+            if P == 1:
+                expected = sent[lo:hi]
+            else:
+                expected = on_the_wire(wire, everyone[0][lo:hi].copy())
+                for other in everyone[1:]:
+                    expected = expected + on_the_wire(wire, other[lo:hi].copy())
+                expected = expected / np.float32(P)
+            got = u.shard.grad
+            assert got.dtype == expected.dtype == np.float32
+            np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32), err_msg=f"{u.name} {step}")
+            if error_feedback and P > 1:
+                kept = np.concatenate([sent[j * n:(j + 1) * n] - on_the_wire(wire, sent[j * n:(j + 1) * n].copy())
+                                       for j in range(P)])
+                np.testing.assert_array_equal(engine.compressor.errors[u.name], kept, err_msg=f"{u.name} {step}")
+                errors[u.name] = kept
+                # the identity: what the ranks sent = p x the average they got + the errors they keep (float64)
+                got_all = np.concatenate(WORLD.allgather(got)).astype(np.float64)
+                kept_all = np.sum(WORLD.allgather(kept.astype(np.float64)), axis=0)
+                sent_all = np.sum([e.astype(np.float64) for e in everyone], axis=0)
+                np.testing.assert_allclose(P * got_all + kept_all, sent_all, rtol=0,
+                                           atol=4 * P * np.abs(sent_all).max() * 2**-23)
+            else:
+                assert engine.compressor.errors == {}
+        opt.step()
+    expected_choice = wire if P > 1 else "exact"
+    assert set(engine.compression_choices().values()) <= {wire}
+    if P > 1:
+        assert set(engine.compression_choices().values()) == {expected_choice}
+        held = sum(u.layout.padded_numel * 4 for u in engine.units) if error_feedback else 0
+        assert engine.memory_stats()["compression_error_bytes"] == held
+
+
+# -------------------------------------------------------------------------------------- warm-up and auto
+@pytest.mark.parametrize("compression", ["bf16", "int8", "auto"])
+def test_warm_up_is_plain_fsdp_and_one_process(comm, compression):
+    steps = 3
+    engine = engine_of(comm, compression, warmup=steps)
+    train(engine, adam(engine.parameters()), comm, steps=steps, workload=WL32)
+    plain = engine_of(comm, None)
+    train(plain, adam(plain.parameters()), comm, steps=steps, workload=WL32)
+    state, plain_state = engine.full_state_dict(), plain.full_state_dict()
+    for k in plain_state:
+        np.testing.assert_array_equal(state[k], plain_state[k], err_msg=k)
+    assert_close(state, reference(adam, steps=steps, workload=WL32), rtol=1e-5, atol=1e-6)
+    assert engine.compressor.errors == {} and engine.memory_stats()["compression_error_bytes"] == 0
+    assert engine.compressor.steps == steps
+
+
+def test_a_compressed_run_differs_from_the_plain_one(comm):
+    """The counterpart of the warm-up test: after warm-up the wire does change the result (so it can fail)."""
+    if P == 1:
+        pytest.skip("one rank sends nothing: nothing is compressed")
+    engine, plain = engine_of(comm, "int8", warmup=1), engine_of(comm, None)
+    for e in (engine, plain):
+        train(e, sgd(e.parameters()), comm, steps=2, workload=WL32)
+    state, plain_state = engine.full_state_dict(), plain.full_state_dict()
+    assert any(not np.array_equal(state[k], plain_state[k]) for k in state)
+    assert_close(state, plain_state, rtol=0.05, atol=1e-3)
+
+
+def test_auto_is_off_on_one_host(comm):
+    assert comm.num_nodes == 1
+    engine, plain = engine_of(comm, "auto"), engine_of(comm, None)
+    for e in (engine, plain):
+        train(e, sgd(e.parameters()), comm, steps=3, workload=WL32)
+    state, plain_state = engine.full_state_dict(), plain.full_state_dict()
+    for k in plain_state:
+        np.testing.assert_array_equal(state[k], plain_state[k], err_msg=k)
+    if P > 1:
+        assert set(engine.compression_choices().values()) == {"exact"}
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("compression", ["int8", "bf16"])
+def test_resumed_run_equals_the_uninterrupted_one_bitwise(comm, compression):
+    path = shared_tmpdir(comm)
+    engine = engine_of(comm, compression, warmup=1)
+    opt = adam(engine.parameters())
+    train(engine, opt, comm, steps=2, workload=WL32)
+    engine.save_sharded(path, opt)
+    train(engine, opt, comm, steps=2, first=2, workload=WL32)
+    uninterrupted = engine.full_state_dict()
+
+    def resumed(restore_errors: bool):
+        fresh = FullyShardedDataParallel(Workload(num_layers=3, d_model=8, d_hidden=12, seed=99,
+                                                  dtype="float32").model(), comm, auto_wrap_policy=POLICY,
+                                         compression=compression, compression_warmup_steps=1)
+        fresh_opt = adam(fresh.parameters())
+        fresh.load_sharded(path, fresh_opt)
+        assert fresh.compressor.steps == 2
+        if not restore_errors:
+            fresh.compressor.errors.clear()
+        train(fresh, fresh_opt, comm, steps=2, first=2, workload=WL32)
+        return fresh.full_state_dict()
+
+    state = resumed(True)
+    for k in uninterrupted:
+        np.testing.assert_array_equal(state[k], uninterrupted[k], err_msg=k)
+    if P > 1:  # the errors matter: without them the resumed run is another run
+        dropped = resumed(False)
+        assert any(not np.array_equal(dropped[k], uninterrupted[k]) for k in uninterrupted)
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path)
+
+
+def test_checkpoint_at_another_world_size_takes_the_mean_error(comm):
+    if P == 1:
+        pytest.skip("needs errors of more than one rank")
+    path = shared_tmpdir(comm)
+    engine = engine_of(comm, "int8")
+    opt = sgd(engine.parameters())
+    train(engine, opt, comm, steps=2, workload=WL32)
+    engine.save_sharded(path, opt)
+    saved = {u.name: np.mean(WORLD.allgather(engine.compressor.errors[u.name][: u.layout.numel].astype(np.float64)),
+                             axis=0).astype(np.float32) for u in engine.units}
+    sub, member = _sub(comm, 1)
+    if member:
+        fresh = engine_of(sub, "int8")
+        fresh.load_sharded(path, sgd(fresh.parameters()))
+        state = fresh.compression_state_dict()
+        assert state["steps"] == 2 and set(state["error"]) == set(saved)
+        for name, e in saved.items():
+            np.testing.assert_array_equal(state["error"][name], e, err_msg=name)
+    sub.free()
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path)
+
+
+def test_checkpoint_of_another_mode_is_refused_and_one_without_starts_afresh(comm):
+    path = shared_tmpdir(comm)
+    engine = engine_of(comm, "int8")
+    train(engine, sgd(engine.parameters()), comm, steps=1, workload=WL32)
+    engine.save_sharded(path)
+
+    def run():
+        other = engine_of(comm, "bf16")
+        with pytest.raises(CheckpointError, match="saved with compression='int8', this engine uses 'bf16'"):
+            other.load_sharded(path)
+
+    run_gathered(run)
+    plain = engine_of(comm, None)
+    plain.save_sharded(path)
+    engine.load_sharded(path)
+    assert engine.compressor.steps == 0 and engine.compressor.errors == {}
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path)
+
+
+# -------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"compression": "powersgd:2"}, NotImplementedError, "PowerSGD is not implemented for FSDP: its P and Q"),
+    ({"compression": "int8", "sharding_strategy": "no_shard"}, NotImplementedError, "sharding_strategy 'no_shard'"),
+    ({"compression": "bf16", "sharding_strategy": "hybrid_shard"}, NotImplementedError, "'hybrid_shard'"),
+    ({"compression": "int4"}, ConfigError, "compression must be None"),
+    ({"compression": "int8", "compression_warmup_steps": -1}, ConfigError, "whole number of steps >= 0"),
+    ({"compression": "int8", "workload": Workload(num_layers=1, d_model=4, d_hidden=4, seed=1)}, ConfigError,
+     r"compresses float32 gradients .* unit\(s\) 0 \(float64"),
+    ({"compression": "auto", "mixed_precision": MixedPrecision(param_dtype="float32", reduce_dtype="float16")},
+     ConfigError, "float16"),
+])
+def test_bad_input_one_clear_error_on_every_rank(comm, kwargs, error, match):
+    kwargs = dict(kwargs)
+    workload = kwargs.pop("workload", WL32)
+
+    def run():
+        with pytest.raises(error, match=match):
+            FullyShardedDataParallel(workload.model(), comm, auto_wrap_policy=POLICY, **kwargs)
+
+    run_gathered(run)
