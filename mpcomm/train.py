@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fsdp-strategy", choices=FSDP_STRATEGIES, default="full_shard")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket cap")
     ap.add_argument("--compression", default=None, metavar="MODE",
-                    help="DDP gradient compression with error feedback: bf16, fp16, int8 (float32 models), "
-                         "powersgd:RANK or auto (the cost model's choice per bucket; off on one host)")
+                    help="gradient compression with error feedback: bf16, fp16, int8 (float32 models), "
+                         "powersgd:RANK (ddp only) or auto (the cost model's choice per bucket or FSDP unit; off on "
+                         "one host); ddp, and fsdp with --fsdp-strategy full_shard or shard_grad_op")
     ap.add_argument("--compression-warmup", type=int, default=DEFAULT_WARMUP_STEPS, metavar="STEPS",
                     help="exact (uncompressed) steps before compression starts")
     ap.add_argument("--no-error-feedback", action="store_true",
@@ -85,8 +86,14 @@ def resolve_layout(args: argparse.Namespace, world: int) -> tuple[int, int, int]
     if not 0 < args.bucket_cap_mb < float("inf"):
         raise ConfigError(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
     spec = parse_compression(args.compression, args.compression_warmup)
-    if spec is not None and args.engine != "ddp":
-        raise ConfigError(f"--compression {args.compression} is for --engine ddp (got --engine {args.engine})")
+    if spec is not None and args.engine not in ("ddp", "fsdp"):
+        raise ConfigError(f"--compression {args.compression} is for --engine ddp or fsdp (got --engine {args.engine})")
+    if spec is not None and args.engine == "fsdp" and spec.mode == "powersgd":
+        raise ConfigError(f"--compression {args.compression} is for --engine ddp: FSDP shards the gradient matrices "
+                          "PowerSGD needs whole (use bf16, fp16, int8 or auto with --engine fsdp)")
+    if spec is not None and args.engine == "fsdp" and args.fsdp_strategy not in ("full_shard", "shard_grad_op"):
+        raise ConfigError(f"--compression {args.compression} with --engine fsdp compresses the reduce-scatter of "
+                          f"--fsdp-strategy full_shard or shard_grad_op (got {args.fsdp_strategy})")
     if spec is not None and spec.mode != "powersgd" and args.dtype != "float32":
         raise ConfigError(f"--compression {args.compression} compresses float32 gradients: add --dtype float32 "
                           f"(got --dtype {args.dtype}), or use powersgd:RANK")
@@ -173,7 +180,9 @@ def _build_engine(args, comm, model):
     except ImportError as exc:
         raise ConfigError(f"--engine fsdp is not available: mpcomm.parallel.fsdp could not be imported ({exc})") \
             from exc
-    return FullyShardedDataParallel(model, comm, sharding_strategy=args.fsdp_strategy)
+    return FullyShardedDataParallel(model, comm, sharding_strategy=args.fsdp_strategy, compression=args.compression,
+                                    compression_warmup_steps=args.compression_warmup,
+                                    error_feedback=not args.no_error_feedback)
 
 
 def train_data_parallel(comm, args, workload: Workload, dp: int) -> dict:

@@ -81,7 +81,11 @@ TRAIN_CONFIG_ERRORS = {
     "powersgd rank zero": (["--engine", "ddp", "--compression", "powersgd:0"], "got 'powersgd:0'"),
     "compression warm-up negative": (["--engine", "ddp", "--compression", "powersgd:1", "--compression-warmup", "-1"],
                                      "warm-up must be a whole number of steps >= 0"),
-    "compression outside ddp": (["--engine", "fsdp", "--compression", "powersgd:1"], "is for --engine ddp"),
+    "compression outside ddp/fsdp": (["--engine", "tp", "--compression", "int8", "--dtype", "float32"],
+                                     "is for --engine ddp or fsdp"),
+    "powersgd with fsdp": (["--engine", "fsdp", "--compression", "powersgd:1"], "is for --engine ddp: FSDP shards"),
+    "compression with fsdp no_shard": (["--engine", "fsdp", "--fsdp-strategy", "no_shard", "--compression", "int8",
+                                        "--dtype", "float32"], "full_shard or shard_grad_op (got no_shard)"),
     "wire compression of float64": (["--engine", "ddp", "--compression", "int8"],
                                     "--compression int8 compresses float32 gradients: add --dtype float32"),
 }

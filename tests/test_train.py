@@ -192,6 +192,27 @@ def test_ddp_cli_wire_compression(world, tmp_path, mode):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["int8", "auto"])
+def test_fsdp_cli_wire_compression(world, tmp_path, mode):
+    """--engine fsdp --compression int8|auto (float32): int8 compresses the reduce-scatter from step 1 (one rank
+    sends nothing: no compression); auto stays off on one host (the losses are plain --engine fsdp's)."""
+    from mpcomm.train import main
+    ref_path = shared_path(world, tmp_path, "ref.json")
+    path = shared_path(world, tmp_path, "wire.json")
+    argv = [*COMMON, "--steps", "4", "--dtype", "float32", "--engine", "fsdp"]
+    assert main(["--json", ref_path, *argv]) == 0
+    assert main(["--compression", mode, "--compression-warmup", "1", "--json", path, *argv]) == 0
+    ref, got = load(world, ref_path), load(world, path)
+    assert got["losses"][:2] == ref["losses"][:2]
+    if mode == "auto" or world.Get_size() == 1:
+        assert got["losses"] == ref["losses"]
+        assert set(got["compression_choices"]) == ({"exact"} if world.Get_size() > 1 else set())
+    else:
+        assert got["losses"][2:] != ref["losses"][2:] and set(got["compression_choices"]) == {"int8"}
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=0.01)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
 def test_fsdp_cli_equals_single(world, tmp_path, single, strategy):
     pytest.importorskip("mpcomm.parallel.fsdp")

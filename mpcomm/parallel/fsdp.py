@@ -321,9 +321,12 @@ class FullyShardedDataParallel:
             raise ConfigError("load_compression_state_dict: this FullyShardedDataParallel has no compression")
         self.compressor.load_state_dict(state, self.units)
 
-    def compression_choices(self) -> dict[str, str]:
-        """Unit name -> what its last gradient reduction did ("exact" or the wire); empty without compression."""
-        return {} if self.compressor is None else dict(self.compressor.last_choice)
+    def compression_choices(self) -> list[str]:
+        """What each unit's last gradient reduction did ("exact" or the wire), in unit order (units not reduced
+        by a reduce-scatter yet are left out); empty without compression."""
+        if self.compressor is None:
+            return []
+        return [self.compressor.last_choice[u.name] for u in self.units if u.name in self.compressor.last_choice]
 
     # ---- measurements --------------------------------------------------------------------------
     def memory_stats(self, optimizer: Optimizer | None = None) -> dict[str, int]:
