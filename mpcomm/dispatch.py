@@ -176,8 +176,8 @@ class Dispatcher:
             raise TypeError(f"{described}: op {op!r} is not supported with a lossy wire; use 'sum' or 'avg', or "
                             "wire=None")
         base = self.plan(operation, array, op, "direct")
-        algorithm_of = {"allreduce": compressed.allreduce, "reduce_scatter": compressed.reduce_scatter}
-        return base.compressed(wire, functools.partial(algorithm_of[operation], codec=wire_codec))
+        body = compressed.allreduce if operation == "allreduce" else compressed.reduce_scatter
+        return base.compressed(wire, functools.partial(body, codec=wire_codec))
 
     def run(self, plan: Plan, *buffers: Any, transport: Transport | None = None, counts: tuple | None = None,
             record: bool = True) -> None:

@@ -169,17 +169,25 @@ def test_algorithm_other_than_auto_is_refused(comm):
     run_gathered(run)
 
 
+def wired(c: Communicator, operation: str, n: int, wire: str | None) -> np.ndarray:
+    """``operation`` (allreduce, or reduce_scatter of n elements per rank) of ones, sent as ``wire``."""
+    if operation == "allreduce":
+        return c.allreduce(np.ones(n, np.float32), wire=wire)
+    return c.reduce_scatter(np.ones(n * P, np.float32), np.empty(n, np.float32), wire=wire)
+
+
+@pytest.mark.parametrize("operation", ["allreduce", "reduce_scatter"])
 @pytest.mark.parametrize("theirs", [None, "fp16", "int8"])
-def test_mismatched_wire_caught_by_validate(theirs):
+def test_mismatched_wire_caught_by_validate(theirs, operation):
     if P < 2:
         pytest.skip("needs two ranks to disagree")
     c = Communicator(WORLD, timeout=10.0, validate=True)
 
     def run():
         with pytest.raises(CollectiveMismatchError, match="ranks disagree") as info:
-            c.allreduce(np.ones(1000, np.float32), wire=theirs if RANK == P - 1 else "bf16")
+            wired(c, operation, 1000, theirs if RANK == P - 1 else "bf16")
         assert f"rank {P - 1}:" in str(info.value)
-        return c.allreduce(np.ones(4, np.float32), wire="int8")
+        return wired(c, operation, 4, "int8")
 
     try:
         outcomes = run_gathered(run)
