@@ -245,3 +245,23 @@ def test_bad_input_one_clear_error_on_every_rank(comm, kwargs, error, match):
             FullyShardedDataParallel(workload.model(), comm, auto_wrap_policy=POLICY, **kwargs)
 
     run_gathered(run)
+
+
+def test_load_state_of_another_model_or_mode_is_refused(comm):
+    engine = engine_of(comm, "int8")
+    good = {"mode": "int8", "steps": 1, "error": {}}
+
+    def run():
+        with pytest.raises(ConfigError, match="saved with compression='bf16', this engine uses 'int8'"):
+            engine.load_compression_state_dict({**good, "mode": "bf16"})
+        with pytest.raises(ConfigError, match=r"unit 'nope', which this engine lacks \(its units: \['0', '1', '2'\]"):
+            engine.load_compression_state_dict({**good, "error": {"nope": np.zeros(3, np.float32)}})
+        with pytest.raises(ConfigError, match=r"error of unit '1' has shape \(3,\), the unit's gradient \(228,\)"):
+            engine.load_compression_state_dict({**good, "error": {"1": np.zeros(3, np.float32)}})
+        with pytest.raises(ConfigError, match="this FullyShardedDataParallel has no compression"):
+            engine_of(comm, None).load_compression_state_dict(good)
+        engine.load_compression_state_dict({**good, "error": {"1": np.ones(228, np.float32)}})
+        return engine.compression_state_dict()
+
+    for state in run_gathered(run):
+        assert state["steps"] == 1 and list(state["error"]) == ["1"] and (state["error"]["1"] == 1).all()

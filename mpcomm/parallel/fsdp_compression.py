@@ -120,10 +120,12 @@ class ShardedCompressor:
                               f"uses {self.spec.name!r}")
         by_name = {u.name: u for u in units}
         for name, e in state["error"].items():
-            if name not in by_name or np.shape(e) != (by_name[name].layout.numel,):
-                raise ConfigError(f"compression state: error of unit {name!r} has shape {np.shape(e)}; this engine "
-                                  f"{'has no such unit' if name not in by_name else 'expects'}"
-                                  f"{'' if name not in by_name else f' ({by_name[name].layout.numel},)'}")
+            if name not in by_name:
+                raise ConfigError(f"compression state: an error of unit {name!r}, which this engine lacks (its "
+                                  f"units: {sorted(by_name)})")
+            if np.shape(e) != (by_name[name].layout.numel,):
+                raise ConfigError(f"compression state: error of unit {name!r} has shape {np.shape(e)}, the unit's "
+                                  f"gradient ({by_name[name].layout.numel},)")
         errors = {}
         for name, e in state["error"].items():
             errors[name] = np.zeros(by_name[name].layout.padded_numel, dtype=np.float32)  # padding: no error
