@@ -200,6 +200,55 @@ def test_finish_check_catches_a_broken_finish(tmp_path):
     assert finish_mismatches(module.finish, np.float32, 3) > 0, "the check missed a finish that multiplies"
 
 
+def combine_mismatches(combine, dtype, divisor: int) -> int:
+    """Elements where ``combine(a, b, out, avg / divisor)`` (out = a) differs in bits from numpy's add, then
+    division; over subnormals to the largest values (sums that overflow), infinities and NaN."""
+    info = np.finfo(dtype)
+    rng = np.random.default_rng(divisor + 7)
+    with np.errstate(all="ignore"):
+        a, b = (np.ldexp(rng.uniform(-1, 1, 4099), rng.integers(info.minexp - info.nmant, info.maxexp, 4099))
+                .astype(dtype) for _ in range(2))
+        a[:6] = [np.nan, np.inf, -np.inf, info.max, 0.0, -0.0]
+        b[:6] = [1.0, -np.inf, 1.0, info.max, -0.0, -0.0]
+        expected = np.divide(np.add(a, b), divisor)
+        combine(a, b, a, OPS["avg"].averaged(divisor))
+    return int((a.view(f"u{a.itemsize}") != expected.view(f"u{a.itemsize}")).sum())
+
+
+@pytest.mark.parametrize("divisor", [2, 3, 4, 6, 1024])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+def test_combine_finished_is_numpys_add_then_division(dtype, divisor):
+    """avg's last addition and its finish in one pass: numpy's two passes, bit for bit."""
+    compiled()
+    assert combine_mismatches(kernels.combine_finished, dtype, divisor) == 0
+
+
+def test_combine_finished_falls_back_where_the_extension_cannot():
+    """Strided operands, or dtypes the extension does not take, go through numpy (the same result)."""
+    op = OPS["avg"].averaged(3)
+    for a, b in ((np.arange(12, dtype=np.float32)[::2], np.full(6, 0.1, np.float32)),
+                 (np.arange(6, dtype=np.float16), np.full(6, 0.1, np.float16))):
+        out = np.empty(6, a.dtype)
+        kernels.combine_finished(a, b, out, op)
+        np.testing.assert_array_equal(out, np.divide(a + b, 3), strict=True)
+
+
+def test_combine_check_catches_a_fused_division_that_rounds_otherwise(tmp_path):
+    """(a + b) / 3 computed as a / 3 + b / 3 (other roundings) fails the check."""
+    if compiled().module is None:
+        pytest.skip("Python's headers are not installed here: no extension to break")
+    source = open(kernels.SOURCE).read()
+    original = "for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) / d;"
+    assert original in source, "the combine mutant no longer applies to kernels.c"
+    path = kernels.build(source.replace(original, "for (int64_t i = 0; i < n; i++) out[i] = a[i] / d + b[i] / d;", 1),
+                         str(tmp_path))
+    module = kernels.extension(path)
+
+    def broken(a, b, out, op):
+        module.add_finish(a, b, out, op.divisor)
+    assert combine_mismatches(broken, np.float32, 3) > 0, "the check missed a division that rounds otherwise"
+
+
 def test_keys_sort_like_the_floats():
     rng = np.random.default_rng(5)
     for dtype in (np.float32, np.float64):
