@@ -156,68 +156,40 @@ void from_keys64(int64_t *bits, int64_t n) {
 }
 
 /* In place: x / divisor (by 1 / divisor where that is a power of two: the same bits, as ReduceOp.finish does;
- * divisor 1: no change); returns whether x then holds a NaN. One pass for avg's finish and the NaN check after it. */
-int finish32(float *x, int64_t n, int64_t divisor) {
-    int nan = 0;
-    if (divisor == 1) {
-        for (int64_t i = 0; i < n; i++) nan |= x[i] != x[i];
-    } else if ((divisor & (divisor - 1)) == 0) {
-        const float factor = (float)(1.0 / (double)divisor);
-        for (int64_t i = 0; i < n; i++) {
-            x[i] *= factor;
-            nan |= x[i] != x[i];
-        }
-    } else {
-        const float d = (float)divisor;
-        for (int64_t i = 0; i < n; i++) {
-            x[i] /= d;
-            nan |= x[i] != x[i];
-        }
+ * divisor 1: no change); returns whether x then holds a NaN. One pass for avg's finish and the NaN check after it.
+ * out <- (a + b) / divisor likewise, rounded after the add and after the division as numpy's two passes are:
+ * avg's last addition and its finish in one pass. (T: float for the 32-bit functions, double for the 64-bit.) */
+#define FINISH(FINISH_NAME, ADD_FINISH_NAME, T)                                                                  \
+    int FINISH_NAME(T *x, int64_t n, int64_t divisor) {                                                          \
+        int nan = 0;                                                                                             \
+        if (divisor == 1) {                                                                                      \
+            for (int64_t i = 0; i < n; i++) nan |= x[i] != x[i];                                                 \
+        } else if ((divisor & (divisor - 1)) == 0) {                                                             \
+            const T factor = (T)(1.0 / (double)divisor);                                                         \
+            for (int64_t i = 0; i < n; i++) {                                                                    \
+                x[i] *= factor;                                                                                  \
+                nan |= x[i] != x[i];                                                                             \
+            }                                                                                                    \
+        } else {                                                                                                 \
+            const T d = (T)divisor;                                                                              \
+            for (int64_t i = 0; i < n; i++) {                                                                    \
+                x[i] /= d;                                                                                       \
+                nan |= x[i] != x[i];                                                                             \
+            }                                                                                                    \
+        }                                                                                                        \
+        return nan;                                                                                              \
+    }                                                                                                            \
+    void ADD_FINISH_NAME(const T *a, const T *b, T *out, int64_t n, int64_t divisor) {                           \
+        if ((divisor & (divisor - 1)) == 0) {                                                                    \
+            const T factor = (T)(1.0 / (double)divisor);                                                         \
+            for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) * factor;                                     \
+        } else {                                                                                                 \
+            const T d = (T)divisor;                                                                              \
+            for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) / d;                                          \
+        }                                                                                                        \
     }
-    return nan;
-}
-
-int finish64(double *x, int64_t n, int64_t divisor) {
-    int nan = 0;
-    if (divisor == 1) {
-        for (int64_t i = 0; i < n; i++) nan |= x[i] != x[i];
-    } else if ((divisor & (divisor - 1)) == 0) {
-        const double factor = 1.0 / (double)divisor;
-        for (int64_t i = 0; i < n; i++) {
-            x[i] *= factor;
-            nan |= x[i] != x[i];
-        }
-    } else {
-        const double d = (double)divisor;
-        for (int64_t i = 0; i < n; i++) {
-            x[i] /= d;
-            nan |= x[i] != x[i];
-        }
-    }
-    return nan;
-}
-
-/* out <- (a + b) / divisor (by 1 / divisor where that is a power of two), rounded after the add and after the
- * division as numpy's two passes are: avg's last addition and its finish in one pass. */
-void add_finish32(const float *a, const float *b, float *out, int64_t n, int64_t divisor) {
-    if ((divisor & (divisor - 1)) == 0) {
-        const float factor = (float)(1.0 / (double)divisor);
-        for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) * factor;
-    } else {
-        const float d = (float)divisor;
-        for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) / d;
-    }
-}
-
-void add_finish64(const double *a, const double *b, double *out, int64_t n, int64_t divisor) {
-    if ((divisor & (divisor - 1)) == 0) {
-        const double factor = 1.0 / (double)divisor;
-        for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) * factor;
-    } else {
-        const double d = (double)divisor;
-        for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) / d;
-    }
-}
+FINISH(finish32, add_finish32, float)
+FINISH(finish64, add_finish64, double)
 
 /* ---- wire codecs (mpcomm/compression.py): bitwise the numpy forms there. ---- */
 

@@ -188,15 +188,24 @@ def test_finish_leaves_what_it_does_not_take():
         np.testing.assert_array_equal(array, before)
 
 
-def test_finish_check_catches_a_broken_finish(tmp_path):
-    """A finish that multiplies by 1/p for every p (not the division's bits for p = 3, 6) fails the check."""
+def mutated_library(tmp_path, original: str, broken: str) -> str:
+    """The path of the kernels built from kernels.c with ``original`` (which must be there) replaced by ``broken``."""
+    compiled()
+    source = open(kernels.SOURCE).read()
+    assert original in source, f"the mutant {broken!r} no longer applies to kernels.c"
+    return kernels.build(source.replace(original, broken, 1), str(tmp_path))
+
+
+def mutated_extension(tmp_path, original: str, broken: str):
+    """:func:`mutated_library` imported as the extension (skips where Python's headers are not installed)."""
     if compiled().module is None:
         pytest.skip("Python's headers are not installed here: no extension to break")
-    source = open(kernels.SOURCE).read()
-    original = "if ((divisor & (divisor - 1)) == 0) {\n        const float factor"
-    assert original in source, "the finish mutant no longer applies to kernels.c"
-    path = kernels.build(source.replace(original, "if (1) {\n        const float factor"), str(tmp_path))
-    module = kernels.extension(path)
+    return kernels.extension(mutated_library(tmp_path, original, broken))
+
+
+def test_finish_check_catches_a_broken_finish(tmp_path):
+    """A finish that multiplies by 1/p for every p (not the division's bits for p = 3, 6) fails the check."""
+    module = mutated_extension(tmp_path, "} else if ((divisor & (divisor - 1)) == 0) {", "} else if (1) {")
     assert finish_mismatches(module.finish, np.float32, 3) > 0, "the check missed a finish that multiplies"
 
 
@@ -235,14 +244,7 @@ def test_combine_finished_falls_back_where_the_extension_cannot():
 
 def test_combine_check_catches_a_fused_division_that_rounds_otherwise(tmp_path):
     """(a + b) / 3 computed as a / 3 + b / 3 (other roundings) fails the check."""
-    if compiled().module is None:
-        pytest.skip("Python's headers are not installed here: no extension to break")
-    source = open(kernels.SOURCE).read()
-    original = "for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) / d;"
-    assert original in source, "the combine mutant no longer applies to kernels.c"
-    path = kernels.build(source.replace(original, "for (int64_t i = 0; i < n; i++) out[i] = a[i] / d + b[i] / d;", 1),
-                         str(tmp_path))
-    module = kernels.extension(path)
+    module = mutated_extension(tmp_path, "out[i] = (a[i] + b[i]) / d;", "out[i] = a[i] / d + b[i] / d;")
 
     def broken(a, b, out, op):
         module.add_finish(a, b, out, op.divisor)
@@ -279,11 +281,7 @@ CAUGHT_BY = {  # the check that must fail for each mutant: (dtype, op)
 @pytest.mark.parametrize("through", ["extension", "ctypes"])
 def test_key_checks_catch_a_broken_key_pass(through, tmp_path):
     """A key pass that lets NaN sort as a number, through either entry, fails the check the real one passes."""
-    compiled()
-    source = open(kernels.SOURCE).read()
-    original = "(b & INT32_MAX) > 0x7f800000 ? nan_key : key"
-    assert original in source, "the key mutant no longer applies to kernels.c"
-    path = kernels.build(source.replace(original, "key"), str(tmp_path))
+    path = mutated_library(tmp_path, "(b & INT32_MAX) > 0x7f800000 ? nan_key : key", "key")
     module = kernels.extension(path) if through == "extension" else None
     if through == "extension" and module is None:
         pytest.skip("Python's headers are not installed here: no extension to break")
