@@ -1,7 +1,7 @@
 """Where the time of ``allreduce(wire=...)`` goes on the simulated cluster, and what its pipeline's segment buys.
 
 Without ``--segment-mib``: the phases the timeline records (``comm.timeline``) over REPEATS calls per wire, with the
-whole call. With ``--segment-mib A B ...``: whole calls with ``compressed.SEGMENT_BYTES`` set to each size in turn,
+whole call (the pipeline's steps interleave: a phase's time is its total over the segments, waits included). With ``--segment-mib A B ...``: whole calls with ``compressed.SEGMENT_BYTES`` set to each size in turn,
 round-robin (every size sees the same load), REPEATS rounds; a segment as large as the vector runs the phases one
 after another (no overlap), the algorithm as it was before the pipeline. One line each:
 
@@ -9,7 +9,7 @@ after another (no overlap), the algorithm as it was before the pipeline. One lin
     ci/cluster.sh 2 2 1gbit -- mpiexec -n 4 python bench/compressed_phases.py --segment-mib 4 8 16 64 --repeats 9
 
 Prints per wire (and segment) the median, min and max of the slowest rank's call time (ms), and per phase the
-median over the calls of its slowest rank.
+slowest rank's time in it per call.
 """
 from __future__ import annotations
 
@@ -27,15 +27,16 @@ from mpcomm import Communicator
 from mpcomm.algorithms import compressed
 
 
-def phase_medians(path: str, calls: int) -> dict[str, float]:
-    """Per phase name: the median over the calls of the slowest rank's duration (ms)."""
+def phase_times(path: str, calls: int) -> dict[str, float]:
+    """Per phase name: the slowest rank's time in it per call (ms; a phase that runs once per pipeline segment
+    summed over the segments), in the order the phases first ran."""
     with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    by_name: dict[str, dict[int, list[float]]] = {}
+        events = sorted((e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+    totals: dict[str, dict[int, float]] = {}
     for e in events:
-        by_name.setdefault(e["name"], {}).setdefault(e["pid"], []).append(e["dur"] / 1e3)
-    return {name: statistics.median(max(d[i] for d in ranks.values()) for i in range(calls))
-            for name, ranks in by_name.items() if all(len(d) == calls for d in ranks.values())}
+        per_rank = totals.setdefault(e["name"], {})
+        per_rank[e["pid"]] = per_rank.get(e["pid"], 0.0) + e["dur"] / 1e3
+    return {name: max(per_rank.values()) / calls for name, per_rank in totals.items()}
 
 
 def timed(comm: Communicator, buf: np.ndarray, x: np.ndarray, wire: str) -> float:
@@ -80,8 +81,8 @@ def main() -> None:
             whole = [timed(comm, buf, x, wire) for _ in range(args.repeats)]
         if comm.rank == 0:
             print(f"{wire}, {where}: whole call {summary(whole)}")
-            for name, ms in phase_medians(path, args.repeats).items():
-                if name.startswith(("reduce-scatter", "compressed", "all-gather")):
+            for name, ms in phase_times(path, args.repeats).items():
+                if not name.startswith(("allreduce", "barrier")):
                     print(f"    {name:40s} {ms:8.1f} ms", flush=True)
     comm.free()
 

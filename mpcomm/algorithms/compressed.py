@@ -51,28 +51,30 @@ _EXCHANGE, _GATHER = 1, 2  # message tags: each stream stays in order while the 
 def allreduce(t: Transport, buf: np.ndarray, op: ReduceOp, codec: Codec) -> None:
     """In place on a contiguous 1-D float32 ``buf``; ``op`` is sum or avg (divisor: the communicator size)."""
     if t.size == 1 or not t.nodes_are_uniform:
-        pipeline(None, t, buf, op, codec)
+        pipeline(t, None, t, buf, op, codec)
         return
     node, cross = t.node, t.cross
     with node.running(t.operation), cross.running(t.operation):
-        pipeline(node if node.size > 1 else None, cross, buf, op, codec)
+        pipeline(t, node if node.size > 1 else None, cross, buf, op, codec)
 
 
-def pipeline(node: Transport | None, cross: Transport, buf: np.ndarray, op: ReduceOp, codec: Codec) -> None:
-    """``buf`` summed in ``node`` (None: it is its own group), then over ``cross`` compressed, segment by segment."""
+def pipeline(t: Transport, node: Transport | None, cross: Transport, buf: np.ndarray, op: ReduceOp,
+             codec: Codec) -> None:
+    """``buf`` summed in ``node`` (None: it is its own group), then over ``cross`` compressed, segment by segment;
+    the steps' parts marked as phases of ``t`` (the timeline's)."""
     seg = max(1, SEGMENT_BYTES // buf.itemsize // codec.block) * codec.block
     segments = [buf[lo : lo + seg] for lo in range(0, buf.size, seg)]
     if not segments:
         return
     # the segments' scratch: rotating slots sized for the first (the largest) segment
-    first = Segment(node, cross, segments[0], op, codec)
+    first = Segment(t, node, cross, segments[0], op, codec)
     payload = cross.scratch("compressed.payload", IN_FLIGHT * first.payload_bytes, np.uint8, like=buf)
     received = cross.scratch("compressed.received", IN_FLIGHT * first.received_bytes, np.uint8, like=buf)
     slots = [(payload[i * first.payload_bytes :][: first.payload_bytes],
               received[i * first.received_bytes :][: first.received_bytes]) for i in range(IN_FLIGHT)]
     started: list[Iterator[None]] = []  # newest first: every step advances them in that order
     for i, segment in enumerate(segments):
-        started.insert(0, Segment(node, cross, segment, op, codec).run(*slots[i % IN_FLIGHT]))
+        started.insert(0, Segment(t, node, cross, segment, op, codec).run(*slots[i % IN_FLIGHT]))
         started = [s for s in started if _advance(s)]
     while started:
         started = [s for s in started if _advance(s)]
@@ -86,8 +88,9 @@ def _advance(steps: Iterator[None]) -> bool:
 class Segment:
     """One segment's way through the pipeline (``run`` yields where it waits for the wire)."""
 
-    def __init__(self, node: Transport | None, cross: Transport, segment: np.ndarray, op: ReduceOp, codec: Codec):
-        self.node, self.cross, self.segment, self.op, self.codec = node, cross, segment, op, codec
+    def __init__(self, t: Transport, node: Transport | None, cross: Transport, segment: np.ndarray, op: ReduceOp,
+                 codec: Codec):
+        self.phase, self.node, self.cross, self.segment, self.op, self.codec = t.phase, node, cross, segment, op, codec
         self.node_bounds = aligned_bounds(segment.size, 1 if node is None else node.size, codec.block)
         self.mine = segment[slice(*self.node_bounds[0 if node is None else node.rank])]
         self.bounds = aligned_bounds(self.mine.size, cross.size, codec.block)
@@ -98,28 +101,35 @@ class Segment:
 
     def run(self, payload: np.ndarray, received: np.ndarray) -> Iterator[None]:
         """The three steps, in ``payload`` / ``received`` (this segment's slot of the scratch)."""
-        node, cross, codec, mine = self.node, self.cross, self.codec, self.mine
+        node, cross, codec, mine, phase = self.node, self.cross, self.codec, self.mine, self.phase
         if node is not None:
-            add_in_rank_order(node, exchange_segments(node, self.segment, self.node_bounds), mine)
-        for (lo, hi), (start, stop) in zip(self.bounds, self.places):
-            codec.encode(mine[lo:hi], payload[start:stop])
+            with phase("sum in the node"):
+                add_in_rank_order(node, exchange_segments(node, self.segment, self.node_bounds), mine)
+        with phase("encode"):
+            for (lo, hi), (start, stop) in zip(self.bounds, self.places):
+                codec.encode(mine[lo:hi], payload[start:stop])
         parts, pending = post_exchange(cross, payload, self.places, received[: self.received_bytes], _EXCHANGE)
         yield
-        cross.wait(*pending)
-        parts = in_rank_order(cross.rank, parts)
-        own = mine[slice(*self.bounds[cross.rank])]
-        codec.decode(parts[0], own)
-        for part in parts[1:]:
-            codec.accumulate(part, own)
-        self.op.finish(own)
-        codec.encode(own, payload[slice(*self.places[cross.rank])])
+        with phase("wait for the exchange"):
+            cross.wait(*pending)
+        with phase("decode, add, encode"):
+            parts = in_rank_order(cross.rank, parts)
+            own = mine[slice(*self.bounds[cross.rank])]
+            codec.decode(parts[0], own)
+            for part in parts[1:]:
+                codec.accumulate(part, own)
+            self.op.finish(own)
+            codec.encode(own, payload[slice(*self.places[cross.rank])])
         pending = post_all_gather(cross, payload, self.places, _GATHER)
         yield
-        cross.wait(*pending)
-        for (lo, hi), (start, stop) in zip(self.bounds, self.places):
-            codec.decode(payload[start:stop], mine[lo:hi])
+        with phase("wait for the gather"):
+            cross.wait(*pending)
+        with phase("decode"):
+            for (lo, hi), (start, stop) in zip(self.bounds, self.places):
+                codec.decode(payload[start:stop], mine[lo:hi])
         if node is not None:
-            all_gather_chunks(node, self.segment, self.node_bounds)
+            with phase("gather in the node"):
+                all_gather_chunks(node, self.segment, self.node_bounds)
 
 
 def payload_bounds(codec: Codec, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
