@@ -7,11 +7,11 @@ then the ranks with the same node-local index run the compressed exchange below 
 node, and each node all-gathers the finished chunks in float32. Otherwise (nodes of different sizes) every rank
 is its own group and the compressed exchange runs over all ranks.
 
-The compressed exchange (``exchange``) among g group members: each encodes its vector once, chunk by chunk
-(chunks cut at the codec's block edges, so pieces encode as the whole would), and sends chunk j to member j
-(``direct.exchange_segments``); member j decodes the g contributions, adds them in float32 in member order,
-finishes (avg: divides by the communicator size), encodes the sum once, and the encoded chunks go round a ring
-all-gather that every member decodes, its own chunk included. So on every rank, bit for bit::
+The compressed exchange among g group members: each encodes its vector once, chunk by chunk (chunks cut at the
+codec's block edges, so pieces encode as the whole would), and sends chunk j to member j
+(``direct.post_exchange``); member j decodes the g contributions, adds them in float32 in member order, finishes
+(avg: divides by the communicator size), encodes the sum once, and the encoded chunks are all-gathered
+(``direct.post_all_gather``) and decoded by every member, its own chunk included. So on every rank, bit for bit::
 
     result = roundtrip( sum over groups in order of roundtrip(group's float32 sum in rank order) [/ p] )
 
