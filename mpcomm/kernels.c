@@ -4,9 +4,14 @@
  * float_keys / from_keys: float32 / float64 as integers that sort like the floats (MPI's integer MIN/MAX then
  * give numpy's NaN propagation and one answer on every rank), in one pass each way.
  * encode16 / decode16 / encode_int8 / decode_int8: the wire codecs of mpcomm/compression.py.
+ * Built with -DMPCOMM_PYTHON where Python.h is found, the same file is also a Python extension (at the end).
  * Every conversion is bitwise the one numpy / ml_dtypes make (round to nearest even; NaN stays NaN); built with
  * -ffp-contract=off, so a multiply then add rounds twice, as numpy's two passes do.
  */
+#ifdef MPCOMM_PYTHON
+#define PY_SSIZE_T_CLEAN
+#include <Python.h> /* (first: it sets the feature macros the standard headers read) */
+#endif
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -55,6 +60,20 @@ static void widen(int kind, const uint16_t *src, float *acc, int64_t m) {
     for (; i < m; i++) acc[i] = kind == BFLOAT16 ? from_bf16(src[i]) : from_f16(src[i]); /* (unswitched by -O3) */
 }
 
+/* acc += src widened (a sum's step without the widened copy: one pass, the same roundings). */
+static void add_widened(int kind, float *acc, const uint16_t *src, int64_t m) {
+    int64_t i = 0;
+#ifdef __F16C__
+    if (kind == FLOAT16)
+        for (; i + 8 <= m; i += 8)
+            _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i),
+                                                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i)))));
+#endif
+    if (kind == BFLOAT16)
+        for (; i < m; i++) acc[i] += from_bf16(src[i]);
+    for (; i < m; i++) acc[i] += from_f16(src[i]);
+}
+
 static void narrow(int kind, const float *acc, uint16_t *dst, int64_t m) {
     int64_t i = 0;
     if (kind == BFLOAT16) {
@@ -68,10 +87,10 @@ static void narrow(int kind, const float *acc, uint16_t *dst, int64_t m) {
     for (; i < m; i++) dst[i] = to_f16(acc[i]);
 }
 
+/* acc <- acc op x for a product, min or max (a sum goes through add_widened). */
 static void combine(int op, float *acc, const float *x, int64_t m) {
     int64_t i;
     switch (op) {
-    case SUM: for (i = 0; i < m; i++) acc[i] += x[i]; break;
     case PROD: for (i = 0; i < m; i++) acc[i] *= x[i]; break;
     /* numpy's minimum / maximum: a NaN in either operand wins, the first operand on ties (-0.0 vs 0.0) */
     case MIN: for (i = 0; i < m; i++) acc[i] = (acc[i] <= x[i] || acc[i] != acc[i]) ? acc[i] : x[i]; break;
@@ -87,6 +106,10 @@ void reduce16(int kind, int op, const uint16_t *const *chunks, int count, int64_
         int64_t m = n - start < BLOCK ? n - start : BLOCK;
         widen(kind, chunks[0] + start, acc, m);
         for (int k = 1; k < count; k++) {
+            if (op == SUM) {
+                add_widened(kind, acc, chunks[k] + start, m);
+                continue;
+            }
             widen(kind, chunks[k] + start, x, m);
             combine(op, acc, x, m);
         }
@@ -130,6 +153,48 @@ void from_keys64(int64_t *bits, int64_t n) {
         int64_t b = k ^ ((k >> 63) & INT64_MAX);
         bits[i] = (b & INT64_MAX) > 0x7ff0000000000000LL ? 0x7ff8000000000000LL : b;
     }
+}
+
+/* In place: x / divisor (by 1 / divisor where that is a power of two: the same bits, as ReduceOp.finish does;
+ * divisor 1: no change); returns whether x then holds a NaN. One pass for avg's finish and the NaN check after it. */
+int finish32(float *x, int64_t n, int64_t divisor) {
+    int nan = 0;
+    if (divisor == 1) {
+        for (int64_t i = 0; i < n; i++) nan |= x[i] != x[i];
+    } else if ((divisor & (divisor - 1)) == 0) {
+        const float factor = (float)(1.0 / (double)divisor);
+        for (int64_t i = 0; i < n; i++) {
+            x[i] *= factor;
+            nan |= x[i] != x[i];
+        }
+    } else {
+        const float d = (float)divisor;
+        for (int64_t i = 0; i < n; i++) {
+            x[i] /= d;
+            nan |= x[i] != x[i];
+        }
+    }
+    return nan;
+}
+
+int finish64(double *x, int64_t n, int64_t divisor) {
+    int nan = 0;
+    if (divisor == 1) {
+        for (int64_t i = 0; i < n; i++) nan |= x[i] != x[i];
+    } else if ((divisor & (divisor - 1)) == 0) {
+        const double factor = 1.0 / (double)divisor;
+        for (int64_t i = 0; i < n; i++) {
+            x[i] *= factor;
+            nan |= x[i] != x[i];
+        }
+    } else {
+        const double d = (double)divisor;
+        for (int64_t i = 0; i < n; i++) {
+            x[i] /= d;
+            nan |= x[i] != x[i];
+        }
+    }
+    return nan;
 }
 
 /* ---- wire codecs (mpcomm/compression.py): bitwise the numpy forms there. ---- */
@@ -193,3 +258,77 @@ void decode_int8(const float *scales, const int8_t *q, int64_t n, int64_t block,
             for (int64_t i = 0; i < m; i++) out[start + i] = (float)q[start + i] * scale;
     }
 }
+
+#ifdef MPCOMM_PYTHON
+/* ---- the key passes and avg's finish as a Python extension too (importable as mpcomm._kernels): a call through ctypes costs
+ * more than the pass itself on a small message, a METH_FASTCALL call a fraction of that. ---- */
+/* The writable, C-contiguous buffer of args[0] with 4- or 8-byte items (float32/float64 or their integer
+ * views); 0, or -1 with an exception set. */
+static int key_buffer(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_buffer *view) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    if (PyObject_GetBuffer(args[0], view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (view->itemsize != 4 && view->itemsize != 8) {
+        PyErr_Format(PyExc_TypeError, "expected 4- or 8-byte floats, got %zd-byte items", view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_float_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    Py_buffer view;
+    if (key_buffer(args, nargs, 2, &view) < 0) return NULL;
+    long op = PyLong_AsLong(args[1]);
+    if (op == -1 && PyErr_Occurred()) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    int64_t n = view.len / view.itemsize;
+    if (view.itemsize == 4) float_keys32((int32_t *)view.buf, n, (int)op);
+    else float_keys64((int64_t *)view.buf, n, (int)op);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_from_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    Py_buffer view;
+    if (key_buffer(args, nargs, 1, &view) < 0) return NULL;
+    int64_t n = view.len / view.itemsize;
+    if (view.itemsize == 4) from_keys32((int32_t *)view.buf, n);
+    else from_keys64((int64_t *)view.buf, n);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    Py_buffer view;
+    if (key_buffer(args, nargs, 2, &view) < 0) return NULL;
+    long long divisor = PyLong_AsLongLong(args[1]);
+    if (divisor < 1) {
+        PyBuffer_Release(&view);
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "divisor %lld: it must be at least 1", divisor);
+        return NULL;
+    }
+    int64_t n = view.len / view.itemsize;
+    int nan = view.itemsize == 4 ? finish32((float *)view.buf, n, divisor) : finish64((double *)view.buf, n, divisor);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(nan);
+}
+
+static PyMethodDef methods[] = {
+    {"float_keys", (PyCFunction)(void (*)(void))py_float_keys, METH_FASTCALL, "float_keys(floats, op): in place"},
+    {"from_keys", (PyCFunction)(void (*)(void))py_from_keys, METH_FASTCALL, "from_keys(keys): in place"},
+    {"finish", (PyCFunction)(void (*)(void))py_finish, METH_FASTCALL, "finish(floats, divisor) -> has NaN"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }
+#endif

@@ -6,8 +6,10 @@ numpy has no fused form of either: its float16 casts run at ~1 ns per element on
 each step of a key mapping is a pass over the data. ``kernels.c`` does each in one pass; it is compiled on first
 use with the C compiler (``CC``, else Python's, else ``cc``) for this CPU into ``<sys.prefix>/mpcomm-kernels``
 (or ``~/.cache/mpcomm`` if that is not writable), named by a hash of its source, flags and CPU, and loaded with
-ctypes. Without a compiler, or with ``MPCOMM_KERNELS=0``, the numpy forms below run instead: the same results,
-bit for bit, slower (a failed build warns once, naming why).
+ctypes. Where Python's headers are installed the same library is also imported as an extension module, whose
+key passes skip ctypes' per-call cost (most of a small min/max's extra time). Without a compiler, or with
+``MPCOMM_KERNELS=0``, the numpy forms below run instead: the same results, bit for bit, slower (a failed build
+warns once, naming why).
 
     python -c "from mpcomm import kernels; print(kernels.build())"     # build now (raises, saying why, if it cannot)
 """
@@ -17,6 +19,8 @@ import ctypes
 import enum
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import platform
 import shlex
@@ -50,11 +54,13 @@ LOADED = _Loaded.LOADED
 
 
 class Kernels:
-    """The compiled library's functions, typed for ctypes."""
+    """The compiled library's functions, typed for ctypes; ``module``: the same library imported as an extension
+    (None where it was built without Python's headers), whose ``float_keys``/``from_keys`` are used if present."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, module=None):
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self.library = library  # (kept: the functions live as long as it does)
+        self.module = module
         self.reduce16 = library.reduce16
         self.reduce16.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(pointer), ctypes.c_int, size,
                                   ctypes.c_float, pointer]
@@ -81,7 +87,8 @@ def load() -> Kernels | None:
     if os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     try:
-        return Kernels(ctypes.CDLL(build()))
+        path = build()
+        return Kernels(ctypes.CDLL(path), extension(path))
     except Exception as exc:  # noqa: BLE001 (a compiler's or loader's failure has no common type)
         warnings.warn(f"mpcomm: float16/bfloat16 reductions and float min/max keys run through numpy (slower): the "
                       f"C kernels could not be built ({type(exc).__name__}: {str(exc).strip()[:300]}); set "
@@ -89,11 +96,24 @@ def load() -> Kernels | None:
         return None
 
 
+def extension(path: str):
+    """The library at ``path`` imported as the extension module ``mpcomm._kernels``; None if it was built
+    without Python's headers (it then has no ``PyInit__kernels``)."""
+    library = ctypes.CDLL(path)
+    if not hasattr(library, "PyInit__kernels"):
+        return None
+    loader = importlib.machinery.ExtensionFileLoader("mpcomm._kernels", path)
+    module = importlib.util.module_from_spec(importlib.machinery.ModuleSpec("mpcomm._kernels", loader, origin=path))
+    loader.exec_module(module)
+    return module
+
+
 def build(source: str | None = None, directory: str | None = None) -> str:
     """Compile ``source`` (C text; default ``kernels.c``) unless a build of it is cached; the library's path."""
     text = open(SOURCE).read() if source is None else source
     compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    key = hashlib.sha256("\0".join([text, *compiler, *FLAGS, platform.machine(), _cpu_flags()]).encode())
+    flags = [*FLAGS, *_python_flags()]
+    key = hashlib.sha256("\0".join([text, *compiler, *flags, platform.machine(), _cpu_flags()]).encode())
     directory = directory or cache_directory()
     path = os.path.join(directory, f"kernels-{key.hexdigest()[:20]}.so")
     if os.path.exists(path):
@@ -103,7 +123,7 @@ def build(source: str | None = None, directory: str | None = None) -> str:
         f.write(text)
     built = scratch[:-2] + ".so"
     try:
-        done = subprocess.run([*compiler, *FLAGS, "-o", built, scratch], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([*compiler, *flags, "-o", built, scratch], capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()}")
         os.replace(built, path)  # atomic: ranks building at once each rename a complete library
@@ -124,6 +144,14 @@ def cache_directory() -> str:
         if os.access(path, os.W_OK):
             return path
     return tempfile.gettempdir()
+
+
+def _python_flags() -> list[str]:
+    """The flags that also make the library an extension module, where Python's headers are installed."""
+    include = sysconfig.get_paths().get("include")
+    if include and os.path.exists(os.path.join(include, "Python.h")):
+        return ["-DMPCOMM_PYTHON", f"-I{include}"]
+    return []
 
 
 def _cpu_flags() -> str:
@@ -171,13 +199,29 @@ def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | _Loaded | 
     op.finish(out)
 
 
+def finish_floats(floats, divisor: int) -> bool | None:
+    """In place, in one pass of the extension: ``floats`` (a contiguous float32/float64 host array) divided by
+    ``divisor`` as ``ReduceOp.finish`` does it (1: unchanged), and whether it then holds a NaN; None, having done
+    nothing, where the extension is not loaded or the array is not one it takes."""
+    kernels = load()
+    if kernels is None or kernels.module is None or type(floats) is not np.ndarray or floats.dtype not in KEY_DTYPES:
+        return None
+    try:
+        return kernels.module.finish(floats, divisor)
+    except (BufferError, ValueError):  # (not contiguous, or read-only: refused before any element is touched)
+        return None
+
+
 def to_keys(floats, op: str, kernels: Kernels | _Loaded | None = LOADED):
     """In place: float32/float64 ``floats`` become integers that sort as they do, NaN the extreme ``op`` (min or
     max) picks; returns the integer view."""
     bits = floats.view(KEY_DTYPES[floats.dtype])
     kernels = load() if kernels is LOADED else kernels
     if kernels is not None:
-        kernels.keys[bits.dtype](address(bits), bits.size, _OPS[op])
+        if kernels.module is not None:
+            kernels.module.float_keys(bits, _OPS[op])
+        else:
+            kernels.keys[bits.dtype](address(bits), bits.size, _OPS[op])
         return bits
     magnitude = np.iinfo(bits.dtype).max  # every bit but the sign
     nans = np.isnan(floats)
@@ -190,7 +234,10 @@ def from_keys(bits, kernels: Kernels | _Loaded | None = LOADED) -> None:
     """In place: undo :func:`to_keys`; every NaN becomes numpy's ``nan`` (the same bits on every rank)."""
     kernels = load() if kernels is LOADED else kernels
     if kernels is not None:
-        kernels.unkeys[bits.dtype](address(bits), bits.size)
+        if kernels.module is not None:
+            kernels.module.from_keys(bits)
+        else:
+            kernels.unkeys[bits.dtype](address(bits), bits.size)
         return
     bits ^= (bits >> (8 * bits.itemsize - 1)) & np.iinfo(bits.dtype).max
     floats = bits.view({4: np.float32, 8: np.float64}[bits.itemsize])

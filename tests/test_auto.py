@@ -39,14 +39,15 @@ PIPELINED_CASES = [(n, seg) for n in (0, 1, 7, P + 1, 10_007, 2**20 + 5) for seg
 @pytest.mark.mpi
 @pytest.mark.parametrize("n, segment_bytes", PIPELINED_CASES,
                          ids=[f"{n}-{'default' if seg is None else f'seg{seg}B'}" for n, seg in PIPELINED_CASES])
-def test_pipelined_allreduce(comm, monkeypatch, n, segment_bytes):
+@pytest.mark.parametrize("op", ["sum", "avg"])  # (avg: each segment is finished as it is reduced)
+def test_pipelined_allreduce(comm, monkeypatch, n, segment_bytes, op):
     if segment_bytes is not None:
         monkeypatch.setattr(pipelined, "SEGMENT_BYTES", segment_bytes)
-    x = make_input(np.float32, "sum", (n,), comm.rank, seed=n)
+    x = make_input(np.float32, op, (n,), comm.rank, seed=n)
     y = x.copy()
-    in_step(lambda: comm.allreduce(y, algorithm="ring_pipelined"))
+    in_step(lambda: comm.allreduce(y, op=op, algorithm="ring_pipelined"))
     assert_identical_across_ranks(y, "ring_pipelined")
-    assert_reduced(y, gather(x), "sum", what="ring_pipelined:")
+    assert_reduced(y, gather(x), op, what=f"ring_pipelined {op}:")
 
 
 @pytest.mark.mpi

@@ -25,7 +25,11 @@ def compiled():
     return k
 
 
-IMPLEMENTATIONS = {"compiled": compiled, "numpy": lambda: None}
+def compiled_through_ctypes():
+    return kernels.Kernels(compiled().library)  # (without the extension module: the ctypes calls)
+
+
+IMPLEMENTATIONS = {"compiled": compiled, "ctypes": compiled_through_ctypes, "numpy": lambda: None}
 
 
 def low_precision_inputs(dtype, count: int, n: int, seed: int) -> list[np.ndarray]:
@@ -103,7 +107,11 @@ def test_reduce16_output_may_be_the_first_input(implementation):
 def test_keys_give_numpys_min_max(implementation, dtype, name):
     """Integer min/max of the keys of p vectors, mapped back, is numpy's minimum/maximum of the floats: NaN
     wherever any input has one (as numpy's canonical nan), equal elsewhere (signed zeros compare equal)."""
-    implementation = IMPLEMENTATIONS[implementation]()
+    assert key_mismatches(IMPLEMENTATIONS[implementation](), dtype, name) == 0
+
+
+def key_mismatches(implementation, dtype, name: str) -> int:
+    """Elements where the keys' integer min/max of 3 vectors, mapped back, differs in bits from numpy's."""
     rng = np.random.default_rng(3)
     pool = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1.5, -2.25, 5e-324, -1e300], dtype=np.float64)
     inputs = []
@@ -117,11 +125,79 @@ def test_keys_give_numpys_min_max(implementation, dtype, name):
     keys = [kernels.to_keys(x.copy(), name, kernels=implementation) for x in inputs]
     reduced = np.minimum.reduce(keys) if name == "min" else np.maximum.reduce(keys)
     kernels.from_keys(reduced, kernels=implementation)
-    result = reduced.view(dtype)
     want = UFUNC[name].reduce(inputs)
-    np.testing.assert_array_equal(result, want)
-    nan = np.array(np.nan, dtype=dtype).view(reduced.dtype)
-    assert (reduced[np.isnan(want)] == nan).all(), "every NaN must be numpy's nan, bit for bit"
+    result = reduced.view(dtype)
+    nans = np.isnan(want)
+    canonical = np.array(np.nan, dtype=dtype).view(reduced.dtype)  # every NaN numpy's nan, bit for bit
+    return int((result[~nans] != want[~nans]).sum() + (reduced[nans] != canonical).sum())  # (-0.0 == 0.0)
+
+
+def test_the_key_passes_are_an_extension_where_pythons_headers_are():
+    """Built with Python's headers, the library is imported as ``mpcomm._kernels`` too, and it refuses what it
+    cannot take with a TypeError instead of reading past a buffer."""
+    if not kernels._python_flags():
+        pytest.skip("Python's headers are not installed here: the key passes go through ctypes")
+    module = compiled().module
+    assert module is not None and module.__name__ == "mpcomm._kernels"
+    with pytest.raises(TypeError, match="got 2-byte items"):
+        module.float_keys(np.zeros(3, np.float16), 3)
+    with pytest.raises(TypeError, match="expected 1 arguments, got 2"):
+        module.from_keys(np.zeros(3, np.int32), 3)
+    with pytest.raises(TypeError):
+        module.float_keys(np.zeros(3, np.float32), "max")
+    with pytest.raises((TypeError, ValueError, BufferError)):
+        module.from_keys(np.zeros(6, np.int32)[::2])  # not contiguous
+
+
+def finish_mismatches(finish, dtype, divisor: int) -> int:
+    """Elements where ``finish(x, divisor)`` differs in bits from numpy's division, plus 1 if its NaN answer is
+    wrong; over subnormals to the largest values, infinities, NaN, signed zeros."""
+    info = np.finfo(dtype)
+    rng = np.random.default_rng(divisor)
+    exponents = rng.integers(info.minexp - info.nmant, info.maxexp, 4096)
+    with np.errstate(all="ignore"):
+        values = np.concatenate([np.array([0.0, -0.0, np.inf, -np.inf, info.max, info.smallest_subnormal, 1 / 3],
+                                          dtype=dtype), np.ldexp(rng.uniform(-1, 1, 4096), exponents).astype(dtype)])
+    wrong = 0
+    for with_nan in (False, True):
+        x = values.copy()
+        x[100] = np.nan if with_nan else x[100]
+        with np.errstate(all="ignore"):
+            expected = np.divide(x, divisor)
+        found = finish(x, divisor)
+        wrong += int((x.view(f"u{x.itemsize}") != expected.view(f"u{x.itemsize}")).sum()) + (found != with_nan)
+    return wrong
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 3, 4, 6, 8, 1024])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+def test_finish_divides_as_numpy_and_finds_nan(dtype, divisor):
+    """avg's finish and the NaN check in one pass: numpy's division bit for bit, and whether a NaN is there."""
+    if compiled().module is None:
+        pytest.skip("Python's headers are not installed here: the numpy forms run (test_buffers.py)")
+    assert finish_mismatches(kernels.finish_floats, dtype, divisor) == 0
+
+
+def test_finish_leaves_what_it_does_not_take():
+    """None, with the array untouched, where the numpy forms must run instead."""
+    compiled()
+    strided = np.arange(8, dtype=np.float32)[::2]
+    for array in (np.ones(3, np.float16), np.ones(3, np.complex64), strided, np.ones(3, np.int32)):
+        before = array.copy()
+        assert kernels.finish_floats(array, 3) is None
+        np.testing.assert_array_equal(array, before)
+
+
+def test_finish_check_catches_a_broken_finish(tmp_path):
+    """A finish that multiplies by 1/p for every p (not the division's bits for p = 3, 6) fails the check."""
+    if compiled().module is None:
+        pytest.skip("Python's headers are not installed here: no extension to break")
+    source = open(kernels.SOURCE).read()
+    original = "if ((divisor & (divisor - 1)) == 0) {\n        const float factor"
+    assert original in source, "the finish mutant no longer applies to kernels.c"
+    path = kernels.build(source.replace(original, "if (1) {\n        const float factor"), str(tmp_path))
+    module = kernels.extension(path)
+    assert finish_mismatches(module.finish, np.float32, 3) > 0, "the check missed a finish that multiplies"
 
 
 def test_keys_sort_like_the_floats():
@@ -138,8 +214,8 @@ MUTANTS = {  # name -> (text in kernels.c, its broken replacement)
     "bfloat16 rounds half up": ("(u + 0x7fffu + ((u >> 16) & 1u)) >> 16", "(u + 0x8000u) >> 16"),
     "float16 truncates": ("_MM_FROUND_TO_NEAREST_INT", "_MM_FROUND_TO_ZERO"),
     "max drops NaN": ("(acc[i] >= x[i] || acc[i] != acc[i])", "(acc[i] >= x[i])"),
-    "sum rounds every step": ("case SUM: for (i = 0; i < m; i++) acc[i] += x[i];",
-                              "case SUM: for (i = 0; i < m; i++) acc[i] = from_bf16(to_bf16(acc[i] + x[i]));"),
+    "sum rounds every step": ("for (; i < m; i++) acc[i] += from_bf16(src[i]);",
+                              "for (; i < m; i++) acc[i] = from_bf16(to_bf16(acc[i] + from_bf16(src[i])));"),
     "avg divides after rounding": ("acc[i] /= divisor", "acc[i] /= 1.0f"),
 }
 CAUGHT_BY = {  # the check that must fail for each mutant: (dtype, op)
@@ -149,6 +225,22 @@ CAUGHT_BY = {  # the check that must fail for each mutant: (dtype, op)
     "sum rounds every step": (BFLOAT16, "sum"),
     "avg divides after rounding": (BFLOAT16, "avg"),
 }
+
+
+@pytest.mark.parametrize("through", ["extension", "ctypes"])
+def test_key_checks_catch_a_broken_key_pass(through, tmp_path):
+    """A key pass that lets NaN sort as a number, through either entry, fails the check the real one passes."""
+    compiled()
+    source = open(kernels.SOURCE).read()
+    original = "(b & INT32_MAX) > 0x7f800000 ? nan_key : key"
+    assert original in source, "the key mutant no longer applies to kernels.c"
+    path = kernels.build(source.replace(original, "key"), str(tmp_path))
+    module = kernels.extension(path) if through == "extension" else None
+    if through == "extension" and module is None:
+        pytest.skip("Python's headers are not installed here: no extension to break")
+    mutated = kernels.Kernels(ctypes.CDLL(path), module)
+    assert key_mismatches(compiled(), np.float32, "max") == 0
+    assert key_mismatches(mutated, np.float32, "max") > 0, f"the check missed a broken key pass ({through})"
 
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from ..buffers import MAX, MIN, ReduceOp
 from ..errors import CollectiveMismatchError
-from ..kernels import KEY_DTYPES, from_keys, to_keys
+from ..kernels import KEY_DTYPES, finish_floats, from_keys, to_keys
 from ..mpi_library import Library, library
 from ..transport import Transport
 
@@ -33,13 +33,21 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
     dtype = buf.dtype
     if op.name in _MIN_MAX and dtype in KEY_DTYPES:
         keys = to_keys(buf, op.name)
-        t.wait_one(t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
+        _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
         from_keys(keys)
         return
     _allreduce_in_place(t, buf, op)
+    nans_matter = dtype.kind in "fc" and t.size > 1
+    if op.divisor == 1 and not nans_matter:
+        return
+    found = finish_floats(buf, op.divisor)  # (float32/float64: both in one pass)
+    if found is not None:
+        if found and nans_matter:
+            _canonical_nans(buf)
+        return
     if op.divisor != 1:
         op.finish(buf)
-    if dtype.kind in "fc" and t.size > 1:
+    if nans_matter:
         if buf.size <= _SMALL:  # (_has_nan's test, inline: the small all-reduce is the latency-bound one)
             total = sum(buf.tolist())
             if total == total:

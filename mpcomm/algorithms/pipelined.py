@@ -35,8 +35,9 @@ from .chunks import equal_bounds
 SEGMENT_BYTES = 1 << 20
 
 
-def segmented_step(t: Transport, to_send, local, target, op: ReduceOp, seg: int, segments: int) -> None:
-    """One ring step in ``segments`` messages of ``seg`` elements, reducing one while the next is in flight."""
+def segmented_step(t: Transport, to_send, local, target, op: ReduceOp, finish: bool, seg: int, segments: int) -> None:
+    """One ring step in ``segments`` messages of ``seg`` elements, reducing one (``finish``: and finishing it,
+    while in cache) while the next is in flight."""
     p, r = t.size, t.rank
     right, left = (r + 1) % p, (r - 1) % p
     halves = t.scratch("pipelined.recv", 2 * seg, local.dtype, like=local)
@@ -54,16 +55,20 @@ def segmented_step(t: Transport, to_send, local, target, op: ReduceOp, seg: int,
         if k + 1 < segments:
             pending = post(k + 1)
         t.wait(requests, (left, right), (received.nbytes, None))
-        op(piece(local, k), received, out=piece(target, k))
+        done = piece(target, k)
+        op(piece(local, k), received, out=done)
+        if finish:
+            op.finish(done)
 
 
-def reduce_scatter_chunks(t: Transport, src, out, op: ReduceOp, bounds, segment_bytes: int | None = None) -> None:
+def reduce_scatter_chunks(t: Transport, src, out, op: ReduceOp, bounds, segment_bytes: int | None = None,
+                          finish: bool = False) -> None:
     """``ring.reduce_scatter_chunks`` with every step segmented (same arguments and result)."""
     largest = max(stop - start for start, stop in bounds)
     seg = max(1, (segment_bytes or SEGMENT_BYTES) // src.itemsize)
     segments = max(1, -(-largest // seg))
     step = partial(segmented_step, seg=seg, segments=segments)
-    ring.reduce_scatter_chunks(t, src, out, op, bounds, step=step)
+    ring.reduce_scatter_chunks(t, src, out, op, bounds, step=step, finish=finish)
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
@@ -71,5 +76,4 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
-    reduce_scatter_chunks(t, sendbuf, recvbuf, op, equal_bounds(recvbuf.size, t.size))
-    op.finish(recvbuf)
+    reduce_scatter_chunks(t, sendbuf, recvbuf, op, equal_bounds(recvbuf.size, t.size), finish=True)

@@ -11,32 +11,40 @@ from ..transport import Transport
 from .chunks import chunk_bounds, equal_bounds
 
 
-def exchange_then_reduce(t: Transport, to_send, local, target, op: ReduceOp) -> None:
+def exchange_then_reduce(t: Transport, to_send, local, target, op: ReduceOp, finish: bool = False) -> None:
     """One ring step: send ``to_send`` right while receiving the left neighbour's partial of the chunk
-    whose local part is ``local``; then ``target`` <- ``local`` (op) received."""
+    whose local part is ``local``; then ``target`` <- ``local`` (op) received (``finish``: finished, e.g. avg's
+    division)."""
     p, r = t.size, t.rank
     received = t.scratch("ring.recv", local.size, local.dtype, like=local)
     t.sendrecv(to_send, (r + 1) % p, received, (r - 1) % p)
     op(local, received, out=target)
+    if finish:
+        op.finish(target)
 
 
-def reduce_scatter_chunks(t: Transport, src, out, op: ReduceOp, bounds, step=exchange_then_reduce) -> None:
-    """``out`` <- reduction over all ranks of ``src[bounds[rank]]``; ``src`` is read only (``out`` may alias it).
+def reduce_scatter_chunks(t: Transport, src, out, op: ReduceOp, bounds, step=exchange_then_reduce,
+                          finish: bool = False) -> None:
+    """``out`` <- reduction over all ranks of ``src[bounds[rank]]`` (``finish``: finished by the last step, where
+    the pipelined step finishes each segment while it is in cache); ``src`` is read only (``out`` may alias it).
 
-    ``step(t, to_send, local, target, op)`` performs one of the p-1 ring steps (see ``exchange_then_reduce``;
-    ``pipelined.py`` passes a segmented one). ``target`` never aliases ``to_send``.
+    ``step(t, to_send, local, target, op, finish)`` performs one of the p-1 ring steps (see
+    ``exchange_then_reduce``; ``pipelined.py`` passes a segmented one). ``target`` never aliases ``to_send``.
     """
     p, r = t.size, t.rank
     if p == 1:
         out[...] = src[slice(*bounds[r])]
+        if finish:
+            op.finish(out)
         return
     largest = max(stop - start for start, stop in bounds)
     partials = t.scratch("ring.partial", 2 * largest, src.dtype, like=src)
     to_send = src[slice(*bounds[(r - 1) % p])]
     for s in range(p - 1):
         lo, hi = bounds[(r - s - 2) % p]
-        target = out if s == p - 2 else partials[(s % 2) * largest :][: hi - lo]
-        step(t, to_send, src[lo:hi], target, op)
+        last = s == p - 2
+        target = out if last else partials[(s % 2) * largest :][: hi - lo]
+        step(t, to_send, src[lo:hi], target, op, finish and last)
         to_send = target
 
 
@@ -54,15 +62,13 @@ def allreduce(t: Transport, buf, op: ReduceOp, reduce_scatter=reduce_scatter_chu
     bounds = chunk_bounds(buf.size, t.size)
     mine = buf[slice(*bounds[t.rank])]
     with t.phase("reduce-scatter"):
-        reduce_scatter(t, buf, mine, op, bounds)
-        op.finish(mine)
+        reduce_scatter(t, buf, mine, op, bounds, finish=True)
     with t.phase("all-gather"):
         all_gather_chunks(t, buf, bounds)
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
-    reduce_scatter_chunks(t, sendbuf, recvbuf, op, equal_bounds(recvbuf.size, t.size))
-    op.finish(recvbuf)
+    reduce_scatter_chunks(t, sendbuf, recvbuf, op, equal_bounds(recvbuf.size, t.size), finish=True)
 
 
 def all_gather(t: Transport, sendbuf, recvbuf) -> None:

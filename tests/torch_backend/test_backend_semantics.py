@@ -119,6 +119,65 @@ def test_lane_future_callback_may_wait_on_a_job_it_issues():
     lane.close()
 
 
+def _compute(seconds: float) -> None:
+    """A callback's own work: the thread stays busy (on the CPU) for ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def test_lane_runs_a_future_callbacks_collectives_before_other_threads_ones():
+    """PowerSGD's pattern with several DDP buckets: a bucket's callbacks compute, then issue collectives and wait
+    on them, while the main thread issues the next buckets'. The callbacks' go first whatever the timing, so every
+    rank pairs them alike (before, the worker's successor ran the main thread's at once)."""
+    lane, log, job = _lane_with_log()
+    gate, computing = threading.Event(), threading.Event()
+    first = Job(lambda: (gate.wait(), log.append(("a", ""))), [], "a")
+    issued = [job("b"), job("c")]
+    later = [job("d1"), job("d2")]
+
+    def callback(_):
+        computing.set()
+        for j in issued:
+            _compute(0.1)
+            lane.submit(j)
+            lane.future_of(j).wait()
+
+    lane.future_of(first).then(callback)
+    lane.submit(first)
+    lane.submit(later[0])  # queued before the callbacks run
+    gate.set()
+    assert computing.wait(20)
+    assert not lane.enter(), "a synchronous call ran while another thread's callbacks may still issue"
+    lane.submit(later[1])  # queued while they run
+    queued_work(lane, later[1]).wait()
+    assert [name for name, _ in log] == ["a", "b", "c", "d1", "d2"]
+    lane.close()
+
+
+def test_lane_goes_on_when_a_callback_blocks_on_a_later_collective(monkeypatch):
+    """A callback that waits (through its future, invisibly to the lane) on a collective queued after it by another
+    thread would hold the lane forever: once its thread has been idle for CALLBACK_IDLE_S the lane goes on, and
+    says so."""
+    import mpcomm.integrations.torch.lane as lane_module
+
+    monkeypatch.setattr(lane_module, "CALLBACK_IDLE_S", 0.3)
+    lane, log, job = _lane_with_log()
+    gate, reached = threading.Event(), threading.Event()
+    first = Job(lambda: (gate.wait(), log.append(("a", ""))), [], "a")
+    later = job("later")
+    lane.submit(first)
+    lane.submit(later)
+    lane.future_of(first).then(lambda _: (lane.future_of(later).wait(), reached.set()))
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="blocked for 0.3 s on something other than a collective it issued"):
+        gate.set()
+        assert reached.wait(20), "the lane waited forever for a blocked callback"
+    assert time.monotonic() - start >= 0.3
+    assert [name for name, _ in log] == ["a", "later"]
+    lane.close()
+
+
 def test_lane_wait_with_timeout_leaves_the_job_running():
     lane, log, job = _lane_with_log()
     gate = threading.Event()

@@ -14,12 +14,23 @@ A job's future is completed outside the lane (no thread holds it then), and the 
 thread while it completes one: torch runs a future's callbacks on the thread that completes it, and a callback may
 issue a collective on this group and block on it (torch's ``powerSGD_hook`` does), which only a free lane can run.
 
+The callbacks of a job's future also come first in the order: a collective a callback issues goes ahead of those
+queued by other threads, and no collective queued by another thread starts until the callbacks have returned or
+sit blocked on one they issued (or on any queued collective's ``wait()``). So DDP's bucket all-reduces and the
+ones PowerSGD's callbacks issue per bucket pair up alike on every rank, whichever thread gets there first (on gloo
+they race). The order is the same on every rank when a thread attaches its callbacks before it issues its next
+collective on the group (as DDP's hooks do). A callback that blocks on anything else (a collective queued after
+it by another thread, a lock) would hold the lane forever: once its thread has used no CPU for
+``CALLBACK_IDLE_S`` seconds the lane stops waiting for it and warns that the group's order is then the order in
+which threads issue their collectives.
+
 A failure is raised by the synchronous call, by ``wait()``, and through ``get_future()``; never swallowed.
 """
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections import deque
 from datetime import timedelta
 from typing import Any, Callable
@@ -30,10 +41,50 @@ from torch.futures import Future
 from .tensors import torch_error
 
 
-class Job:
-    """A collective waiting to run (or done): its body, what its Work returns, and how it ended."""
+CALLBACK_IDLE_S = 2.0  # a callback thread idle this long is blocked on something the lane cannot see
 
-    __slots__ = ("body", "result", "operation", "error", "done", "future")
+
+class Callbacks:
+    """One thread running the callbacks of a finished job's future: the jobs it issued that have not finished, and
+    whether it is blocked (then the lane may run queued jobs) or may still issue one (then the lane waits)."""
+
+    __slots__ = ("pending", "waiting", "released", "_clock", "_cpu", "_since")
+
+    def __init__(self) -> None:
+        self.pending = 0  # jobs issued from these callbacks, not yet done
+        self.waiting = 0  # Lane.wait() calls of this thread in progress
+        self.released = False  # blocked on something else for CALLBACK_IDLE_S: holds nothing any more
+        clock = getattr(time, "pthread_getcpuclockid", None)
+        self._clock = clock(threading.get_ident()) if clock is not None else None
+        self._cpu: float | None = None
+        self._since: float | None = None
+
+    def holds(self, lane: str) -> bool:
+        """Whether the lane must wait for these callbacks: they run (neither blocked on a job they issued nor in a
+        wait()), and their thread used CPU in the last CALLBACK_IDLE_S seconds."""
+        if self.released or self.pending or self.waiting:
+            self._since = None
+            return False
+        now = time.monotonic()
+        cpu = time.clock_gettime(self._clock) if self._clock is not None else None
+        if self._since is None or cpu != self._cpu:
+            self._since, self._cpu = now, cpu
+            return True
+        if now - self._since < CALLBACK_IDLE_S:
+            return True
+        self.released = True
+        warnings.warn(f"mpcomm backend: a future callback on process group {lane} has been blocked for "
+                      f"{CALLBACK_IDLE_S:g} s on something other than a collective it issued; the group's "
+                      "collectives now run in the order threads issue them, which may differ between ranks",
+                      RuntimeWarning, stacklevel=2)
+        return False
+
+
+class Job:
+    """A collective waiting to run (or done): its body, what its Work returns, how it ended, and the future
+    callbacks that issued it (if any)."""
+
+    __slots__ = ("body", "result", "operation", "error", "done", "future", "issuer")
 
     def __init__(self, body: Callable[[], Any] | None, result: Any, operation: str):
         self.body: Callable[[], Any] | None = body  # None once run (and in the _NEVER marker)
@@ -41,6 +92,7 @@ class Job:
         self.error: BaseException | None = None
         self.done = False
         self.future: Future | None = None
+        self.issuer: Callbacks | None = None
 
     def run(self) -> None:
         try:
@@ -58,24 +110,30 @@ class Lane:
     def __init__(self, name: str, threaded: bool = True, on_failure: Callable[[], None] = lambda: None):
         self._name, self._threaded, self._on_failure = name, threaded, on_failure
         self._queue: deque[Job] = deque()
+        self._front: deque[Job] = deque()  # jobs issued from future callbacks: they run before _queue's
+        self._callbacks: dict[int, list[Callbacks]] = {}  # thread id -> the callbacks it runs (innermost last)
         self._running = threading.Lock()  # held by whichever thread runs a job
-        self._changed = threading.Condition(threading.Lock())  # guards _queue and Job.done; notified on both
+        self._changed = threading.Condition(threading.Lock())  # guards the queues, _callbacks and Job.done
         self._worker: threading.Thread | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ the synchronous path
     def enter(self) -> bool:
-        """Take the lane for a job run on the caller's thread; False if jobs issued earlier are still pending."""
-        if self._queue or not self._running.acquire(False):
+        """Take the lane for a job run on the caller's thread; False if jobs issued earlier are still pending, or
+        if another thread's future callbacks may yet issue one (then the job is queued behind theirs)."""
+        if self._front or self._queue or self._others_run_callbacks() or not self._running.acquire(False):
             return False
-        if self._queue:  # another thread queued one between the check and the lock
+        if self._front or self._queue or self._others_run_callbacks():  # changed between the check and the lock
             self._running.release()
             return False
         return True
 
+    def _others_run_callbacks(self) -> bool:
+        return bool(self._callbacks) and (len(self._callbacks) > 1 or threading.get_ident() not in self._callbacks)
+
     def leave(self) -> None:
         self._running.release()
-        if self._queue:
+        if self._queue or self._front:
             with self._changed:
                 self._changed.notify_all()
 
@@ -85,7 +143,13 @@ class Lane:
         if self._closed:
             raise RuntimeError(f"mpcomm backend: {job.operation} on process group {self._name}, which was shut down")
         with self._changed:
-            self._queue.append(job)
+            frames = self._callbacks.get(threading.get_ident())
+            if frames:
+                job.issuer = frames[-1]
+                job.issuer.pending += 1
+                self._front.append(job)
+            else:
+                self._queue.append(job)
             if self._threaded:
                 if self._worker is None:
                     self._start_worker()
@@ -99,45 +163,95 @@ class Lane:
         one (a job run here cannot be given up on: with a timeout the worker runs it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         steal = timeout is None or not self._threaded
-        while not job.done:
-            if steal and self._running.acquire(False):
-                try:
-                    finished = self._run_queued(until=job)
-                finally:
-                    self._running.release()
-                _complete(finished)
-                continue
+        frame = self._innermost_callbacks()
+        if frame is not None:  # blocked: the lane need not wait for these callbacks meanwhile
             with self._changed:
-                if job.done:
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    assert timeout is not None  # a deadline comes from it
-                    raise dist.DistBackendError(
-                        f"mpcomm backend: {job.operation} on process group {self._name}: Timed out waiting "
-                        f"{timeout * 1000:.0f}ms for the collective to complete; it is still running")
-                self._changed.wait(0.05 if remaining is None else min(remaining, 0.05))
+                frame.waiting += 1
+                self._changed.notify_all()
+        try:
+            while not job.done:
+                if steal and self._running.acquire(False):
+                    try:
+                        finished = self._run_queued(until=job)
+                    finally:
+                        self._running.release()
+                    if finished is not None:
+                        self._complete(finished)
+                        continue
+                with self._changed:
+                    if job.done:
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        assert timeout is not None  # a deadline comes from it
+                        raise dist.DistBackendError(
+                            f"mpcomm backend: {job.operation} on process group {self._name}: Timed out waiting "
+                            f"{timeout * 1000:.0f}ms for the collective to complete; it is still running")
+                    self._changed.wait(0.05 if remaining is None else min(remaining, 0.05))
+        finally:
+            if frame is not None:
+                with self._changed:
+                    frame.waiting -= 1
 
-    def _run_queued(self, until: Job | None) -> list[Future]:
-        """With ``_running`` held: run queued jobs in order, up to and including ``until`` (one job for None);
-        returns the futures of the jobs run, for the caller to complete once it has let go of the lane."""
-        finished: list[Future] = []
+    def _innermost_callbacks(self) -> Callbacks | None:
+        frames = self._callbacks.get(threading.get_ident())
+        return frames[-1] if frames else None
+
+    def _next_job(self) -> Job | None:
+        """With ``_changed`` held: the job to run next, taken off its queue; None while there is none, or while
+        future callbacks may still issue the one that comes next."""
+        if self._front:
+            return self._front.popleft()
+        if self._queue and not self._held():
+            return self._queue.popleft()
+        return None
+
+    def _runnable(self) -> bool:
+        """With ``_changed`` held: whether :meth:`_next_job` would give a job."""
+        return bool(self._front) or (bool(self._queue) and not self._held())
+
+    def _held(self) -> bool:
+        """With ``_changed`` held: whether some thread's future callbacks run and may still issue a collective."""
+        return not self._closed and any(frames[-1].holds(self._name) for frames in self._callbacks.values())
+
+    def _run_queued(self, until: Job | None) -> Future | None:
+        """With ``_running`` held: run jobs in order, up to and including ``until`` (one job for None), stopping
+        after one whose future is to be completed. That future's callbacks then hold the lane (from before the
+        lane is let go) and it is returned, for the caller to complete with :meth:`_complete` outside the lane."""
         while True:
             with self._changed:
-                if not self._queue or (until is not None and until.done):
-                    return finished
-                job = self._queue.popleft()
+                if until is not None and until.done:
+                    return None
+                job = self._next_job()
+                if job is None:
+                    return None
             job.run()
             if isinstance(job.error, dist.DistBackendError):  # communication failed (not a bad argument)
                 self._on_failure()
             with self._changed:
                 job.done = True
+                if job.issuer is not None:
+                    job.issuer.pending -= 1
                 future = job.future
+                if future is not None:
+                    self._callbacks.setdefault(threading.get_ident(), []).append(Callbacks())
                 self._changed.notify_all()
-            if future is not None:
-                finished.append(future)
-            if until is None:
-                return finished
+            if future is not None or until is None:
+                return future
+
+    def _complete(self, future: Future) -> None:
+        """Completes a finished job's trigger future on this thread, which runs the callbacks chained on it
+        (outside the lane), then lets the lane go on past them."""
+        try:
+            future.set_result(None)
+        finally:
+            me = threading.get_ident()
+            with self._changed:
+                frames = self._callbacks[me]
+                frames.pop()
+                if not frames:
+                    del self._callbacks[me]
+                self._changed.notify_all()
 
     def _start_worker(self) -> None:
         """With ``_changed`` held: a new thread takes the worker's role."""
@@ -148,19 +262,20 @@ class Lane:
         me = threading.current_thread()
         while True:
             with self._changed:
-                while not self._queue:
+                while not self._runnable():
                     if self._closed or self._worker is not me:
                         return
-                    self._changed.wait()
+                    # while callbacks hold queued jobs back, look again now and then: they may turn out idle
+                    self._changed.wait(0.05 if self._queue else None)
             with self._running:
                 finished = self._run_queued(until=None)
-            if not finished:
+            if finished is None:
                 continue
             with self._changed:  # the callbacks may wait on later jobs: a new worker runs those meanwhile
                 self._worker = None
-                if self._queue and not self._closed:
+                if (self._queue or self._front) and not self._closed:
                     self._start_worker()
-            _complete(finished)
+            self._complete(finished)
             with self._changed:
                 if self._worker is not None or self._closed:
                     return
@@ -188,18 +303,15 @@ class Lane:
         worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join()
-        with self._running:
-            finished = self._run_queued(until=_NEVER)
-        _complete(finished)
+        while True:
+            with self._running:
+                finished = self._run_queued(until=_NEVER)
+            if finished is None:
+                return
+            self._complete(finished)
 
 
-_NEVER = Job(None, None, "")  # never done: _run_queued(until=_NEVER) drains the queue
-
-
-def _complete(futures: list[Future]) -> None:
-    """Completes the trigger futures of finished jobs, running the callbacks chained on them (outside the lane)."""
-    for future in futures:
-        future.set_result(None)
+_NEVER = Job(None, None, "")  # never done: _run_queued(until=_NEVER) drains the queues (callbacks hold none once closed)
 
 
 def outcome(trigger: Future, result: Callable[[], Any], error: Callable[[], BaseException | None]) -> Future:
