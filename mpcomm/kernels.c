@@ -156,46 +156,40 @@ void from_keys64(int64_t *bits, int64_t n) {
 }
 
 /* In place: x / divisor (by 1 / divisor where that is a power of two: the same bits, as ReduceOp.finish does;
- * divisor 1: no change); returns whether x then holds a NaN. One pass for avg's finish and the NaN check after it. */
-int finish32(float *x, int64_t n, int64_t divisor) {
-    int nan = 0;
-    if (divisor == 1) {
-        for (int64_t i = 0; i < n; i++) nan |= x[i] != x[i];
-    } else if ((divisor & (divisor - 1)) == 0) {
-        const float factor = (float)(1.0 / (double)divisor);
-        for (int64_t i = 0; i < n; i++) {
-            x[i] *= factor;
-            nan |= x[i] != x[i];
-        }
-    } else {
-        const float d = (float)divisor;
-        for (int64_t i = 0; i < n; i++) {
-            x[i] /= d;
-            nan |= x[i] != x[i];
-        }
+ * divisor 1: no change); returns whether x then holds a NaN. One pass for avg's finish and the NaN check after it.
+ * out <- (a + b) / divisor likewise, rounded after the add and after the division as numpy's two passes are:
+ * avg's last addition and its finish in one pass. (T: float for the 32-bit functions, double for the 64-bit.) */
+#define FINISH(FINISH_NAME, ADD_FINISH_NAME, T)                                                                  \
+    int FINISH_NAME(T *x, int64_t n, int64_t divisor) {                                                          \
+        int nan = 0;                                                                                             \
+        if (divisor == 1) {                                                                                      \
+            for (int64_t i = 0; i < n; i++) nan |= x[i] != x[i];                                                 \
+        } else if ((divisor & (divisor - 1)) == 0) {                                                             \
+            const T factor = (T)(1.0 / (double)divisor);                                                         \
+            for (int64_t i = 0; i < n; i++) {                                                                    \
+                x[i] *= factor;                                                                                  \
+                nan |= x[i] != x[i];                                                                             \
+            }                                                                                                    \
+        } else {                                                                                                 \
+            const T d = (T)divisor;                                                                              \
+            for (int64_t i = 0; i < n; i++) {                                                                    \
+                x[i] /= d;                                                                                       \
+                nan |= x[i] != x[i];                                                                             \
+            }                                                                                                    \
+        }                                                                                                        \
+        return nan;                                                                                              \
+    }                                                                                                            \
+    void ADD_FINISH_NAME(const T *a, const T *b, T *out, int64_t n, int64_t divisor) {                           \
+        if ((divisor & (divisor - 1)) == 0) {                                                                    \
+            const T factor = (T)(1.0 / (double)divisor);                                                         \
+            for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) * factor;                                     \
+        } else {                                                                                                 \
+            const T d = (T)divisor;                                                                              \
+            for (int64_t i = 0; i < n; i++) out[i] = (a[i] + b[i]) / d;                                          \
+        }                                                                                                        \
     }
-    return nan;
-}
-
-int finish64(double *x, int64_t n, int64_t divisor) {
-    int nan = 0;
-    if (divisor == 1) {
-        for (int64_t i = 0; i < n; i++) nan |= x[i] != x[i];
-    } else if ((divisor & (divisor - 1)) == 0) {
-        const double factor = 1.0 / (double)divisor;
-        for (int64_t i = 0; i < n; i++) {
-            x[i] *= factor;
-            nan |= x[i] != x[i];
-        }
-    } else {
-        const double d = (double)divisor;
-        for (int64_t i = 0; i < n; i++) {
-            x[i] /= d;
-            nan |= x[i] != x[i];
-        }
-    }
-    return nan;
-}
+FINISH(finish32, add_finish32, float)
+FINISH(finish64, add_finish64, double)
 
 /* ---- wire codecs (mpcomm/compression.py): bitwise the numpy forms there. ---- */
 
@@ -260,7 +254,7 @@ void decode_int8(const float *scales, const int8_t *q, int64_t n, int64_t block,
 }
 
 #ifdef MPCOMM_PYTHON
-/* ---- the key passes and avg's finish as a Python extension too (importable as mpcomm._kernels): a call through ctypes costs
+/* ---- the key passes and avg's finish (alone, or with its last addition) as a Python extension too (importable as mpcomm._kernels): a call through ctypes costs
  * more than the pass itself on a small message, a METH_FASTCALL call a fraction of that. ---- */
 /* The writable, C-contiguous buffer of args[0] with 4- or 8-byte items (float32/float64 or their integer
  * views); 0, or -1 with an exception set. */
@@ -321,10 +315,49 @@ static PyObject *py_finish(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyBool_FromLong(nan);
 }
 
+static PyObject *py_add_finish(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    Py_buffer a, b, out;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "expected 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long long divisor = PyLong_AsLongLong(args[3]);
+    if (divisor < 1) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "divisor %lld: it must be at least 1", divisor);
+        return NULL;
+    }
+    if (key_buffer(args + 2, 1, 1, &out) < 0) return NULL;
+    if (PyObject_GetBuffer(args[0], &a, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &b, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&a);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    PyObject *result = Py_None;
+    if (a.len != out.len || b.len != out.len || a.itemsize != out.itemsize || b.itemsize != out.itemsize) {
+        PyErr_Format(PyExc_ValueError, "operands of %zd, %zd and %zd bytes: they must be alike", a.len, b.len, out.len);
+        result = NULL;
+    } else if (out.itemsize == 4) {
+        add_finish32((const float *)a.buf, (const float *)b.buf, (float *)out.buf, out.len / 4, divisor);
+    } else {
+        add_finish64((const double *)a.buf, (const double *)b.buf, (double *)out.buf, out.len / 8, divisor);
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&out);
+    Py_XINCREF(result);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"float_keys", (PyCFunction)(void (*)(void))py_float_keys, METH_FASTCALL, "float_keys(floats, op): in place"},
     {"from_keys", (PyCFunction)(void (*)(void))py_from_keys, METH_FASTCALL, "from_keys(keys): in place"},
     {"finish", (PyCFunction)(void (*)(void))py_finish, METH_FASTCALL, "finish(floats, divisor) -> has NaN"},
+    {"add_finish", (PyCFunction)(void (*)(void))py_add_finish, METH_FASTCALL, "add_finish(a, b, out, divisor)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -192,11 +192,15 @@ def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | _Loaded | 
         op.finish(wide)
         out[...] = wide
         return
+    if len(chunks) == 1:
+        out[...] = chunks[0]
+        op.finish(out)
+        return
     if out is not chunks[0]:
         out[...] = chunks[0]
-    for chunk in chunks[1:]:
+    for chunk in chunks[1:-1]:
         op(out, chunk)
-    op.finish(out)
+    combine_finished(out, chunks[-1], out, op)
 
 
 def finish_floats(floats, divisor: int) -> bool | None:
@@ -210,6 +214,20 @@ def finish_floats(floats, divisor: int) -> bool | None:
         return kernels.module.finish(floats, divisor)
     except (BufferError, ValueError):  # (not contiguous, or read-only: refused before any element is touched)
         return None
+
+
+def combine_finished(a, b, out, op: ReduceOp) -> None:
+    """``out`` <- ``a (op) b``, finished (avg: divided): for float32/float64 avg one pass of the extension (the
+    same two roundings), else numpy's op then ``op.finish``. ``out`` may be ``a``."""
+    kernels = load() if op.name == AVG and out.dtype in KEY_DTYPES and type(out) is np.ndarray else None
+    if kernels is not None and kernels.module is not None:
+        try:
+            kernels.module.add_finish(a, b, out, op.divisor)
+            return
+        except (BufferError, ValueError):  # (not contiguous: refused before any element is written)
+            pass
+    op(a, b, out=out)
+    op.finish(out)
 
 
 def to_keys(floats, op: str, kernels: Kernels | _Loaded | None = LOADED):

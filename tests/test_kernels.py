@@ -188,16 +188,67 @@ def test_finish_leaves_what_it_does_not_take():
         np.testing.assert_array_equal(array, before)
 
 
-def test_finish_check_catches_a_broken_finish(tmp_path):
-    """A finish that multiplies by 1/p for every p (not the division's bits for p = 3, 6) fails the check."""
+def mutated_library(tmp_path, original: str, broken: str) -> str:
+    """The path of the kernels built from kernels.c with ``original`` (which must be there) replaced by ``broken``."""
+    compiled()
+    source = open(kernels.SOURCE).read()
+    assert original in source, f"the mutant {broken!r} no longer applies to kernels.c"
+    return kernels.build(source.replace(original, broken, 1), str(tmp_path))
+
+
+def mutated_extension(tmp_path, original: str, broken: str):
+    """:func:`mutated_library` imported as the extension (skips where Python's headers are not installed)."""
     if compiled().module is None:
         pytest.skip("Python's headers are not installed here: no extension to break")
-    source = open(kernels.SOURCE).read()
-    original = "if ((divisor & (divisor - 1)) == 0) {\n        const float factor"
-    assert original in source, "the finish mutant no longer applies to kernels.c"
-    path = kernels.build(source.replace(original, "if (1) {\n        const float factor"), str(tmp_path))
-    module = kernels.extension(path)
+    return kernels.extension(mutated_library(tmp_path, original, broken))
+
+
+def test_finish_check_catches_a_broken_finish(tmp_path):
+    """A finish that multiplies by 1/p for every p (not the division's bits for p = 3, 6) fails the check."""
+    module = mutated_extension(tmp_path, "} else if ((divisor & (divisor - 1)) == 0) {", "} else if (1) {")
     assert finish_mismatches(module.finish, np.float32, 3) > 0, "the check missed a finish that multiplies"
+
+
+def combine_mismatches(combine, dtype, divisor: int) -> int:
+    """Elements where ``combine(a, b, out, avg / divisor)`` (out = a) differs in bits from numpy's add, then
+    division; over subnormals to the largest values (sums that overflow), infinities and NaN."""
+    info = np.finfo(dtype)
+    rng = np.random.default_rng(divisor + 7)
+    with np.errstate(all="ignore"):
+        a, b = (np.ldexp(rng.uniform(-1, 1, 4099), rng.integers(info.minexp - info.nmant, info.maxexp, 4099))
+                .astype(dtype) for _ in range(2))
+        a[:6] = [np.nan, np.inf, -np.inf, info.max, 0.0, -0.0]
+        b[:6] = [1.0, -np.inf, 1.0, info.max, -0.0, -0.0]
+        expected = np.divide(np.add(a, b), divisor)
+        combine(a, b, a, OPS["avg"].averaged(divisor))
+    return int((a.view(f"u{a.itemsize}") != expected.view(f"u{a.itemsize}")).sum())
+
+
+@pytest.mark.parametrize("divisor", [2, 3, 4, 6, 1024])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+def test_combine_finished_is_numpys_add_then_division(dtype, divisor):
+    """avg's last addition and its finish in one pass: numpy's two passes, bit for bit."""
+    compiled()
+    assert combine_mismatches(kernels.combine_finished, dtype, divisor) == 0
+
+
+def test_combine_finished_falls_back_where_the_extension_cannot():
+    """Strided operands, or dtypes the extension does not take, go through numpy (the same result)."""
+    op = OPS["avg"].averaged(3)
+    for a, b in ((np.arange(12, dtype=np.float32)[::2], np.full(6, 0.1, np.float32)),
+                 (np.arange(6, dtype=np.float16), np.full(6, 0.1, np.float16))):
+        out = np.empty(6, a.dtype)
+        kernels.combine_finished(a, b, out, op)
+        np.testing.assert_array_equal(out, np.divide(a + b, 3), strict=True)
+
+
+def test_combine_check_catches_a_fused_division_that_rounds_otherwise(tmp_path):
+    """(a + b) / 3 computed as a / 3 + b / 3 (other roundings) fails the check."""
+    module = mutated_extension(tmp_path, "out[i] = (a[i] + b[i]) / d;", "out[i] = a[i] / d + b[i] / d;")
+
+    def broken(a, b, out, op):
+        module.add_finish(a, b, out, op.divisor)
+    assert combine_mismatches(broken, np.float32, 3) > 0, "the check missed a division that rounds otherwise"
 
 
 def test_keys_sort_like_the_floats():
@@ -230,11 +281,7 @@ CAUGHT_BY = {  # the check that must fail for each mutant: (dtype, op)
 @pytest.mark.parametrize("through", ["extension", "ctypes"])
 def test_key_checks_catch_a_broken_key_pass(through, tmp_path):
     """A key pass that lets NaN sort as a number, through either entry, fails the check the real one passes."""
-    compiled()
-    source = open(kernels.SOURCE).read()
-    original = "(b & INT32_MAX) > 0x7f800000 ? nan_key : key"
-    assert original in source, "the key mutant no longer applies to kernels.c"
-    path = kernels.build(source.replace(original, "key"), str(tmp_path))
+    path = mutated_library(tmp_path, "(b & INT32_MAX) > 0x7f800000 ? nan_key : key", "key")
     module = kernels.extension(path) if through == "extension" else None
     if through == "extension" and module is None:
         pytest.skip("Python's headers are not installed here: no extension to break")

@@ -21,6 +21,7 @@ import pytest
 from conftest import WORLD, assert_bitwise_equal, run_gathered
 
 from mpcomm import CollectiveMismatchError, Communicator
+from mpcomm.algorithms import compressed
 from mpcomm.compression import INT8_BLOCK, WIRES, codec
 
 pytestmark = pytest.mark.mpi
@@ -100,6 +101,20 @@ def test_wired_allreduce_equals_the_reference(comm, wire, op, n):
 @pytest.mark.parametrize("wire", WIRES)
 def test_wired_allreduce_of_a_large_vector(comm, wire):
     check(comm, make(2**20 + 7, seed=1), "avg", wire)
+
+
+# The pipeline's segment (compressed.SEGMENT_BYTES) made small, so that these sizes cross several segments, end
+# inside one, or fit in less than one: one int8 block, a prime number of elements, and a few blocks and a bit.
+SEGMENTS = [4 * INT8_BLOCK, 4 * 1009, 4 * (3 * INT8_BLOCK + 5)]
+SEGMENTED_SIZES = [0, 1, 7, INT8_BLOCK - 1, INT8_BLOCK + 1, 2003, 7919, 3 * INT8_BLOCK * P + 11]
+
+
+@pytest.mark.parametrize("n", SEGMENTED_SIZES)
+@pytest.mark.parametrize("segment_bytes", SEGMENTS)
+@pytest.mark.parametrize("wire", WIRES)
+def test_wired_allreduce_in_segments_equals_the_reference(comm, wire, segment_bytes, n, monkeypatch):
+    monkeypatch.setattr(compressed, "SEGMENT_BYTES", segment_bytes)
+    check(comm, make(n, seed=4), "avg" if n % 2 else "sum", wire)
 
 
 @pytest.mark.parametrize("wire", WIRES)

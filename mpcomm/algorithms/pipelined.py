@@ -26,6 +26,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..buffers import ReduceOp
+from ..kernels import combine_finished
 from ..transport import Transport
 from . import ring
 from .chunks import equal_bounds
@@ -55,10 +56,10 @@ def segmented_step(t: Transport, to_send, local, target, op: ReduceOp, finish: b
         if k + 1 < segments:
             pending = post(k + 1)
         t.wait(requests, (left, right), (received.nbytes, None))
-        done = piece(target, k)
-        op(piece(local, k), received, out=done)
         if finish:
-            op.finish(done)
+            combine_finished(piece(local, k), received, piece(target, k), op)
+        else:
+            op(piece(local, k), received, out=piece(target, k))
 
 
 def reduce_scatter_chunks(t: Transport, src, out, op: ReduceOp, bounds, segment_bytes: int | None = None,

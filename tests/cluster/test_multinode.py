@@ -15,9 +15,11 @@ from clusterenv import NODES, RANKS_PER_NODE, only_on_cluster
 from conftest import (WORLD, assert_identical_across_ranks, assert_matches_single_process, assert_reduced, gather,
                       in_step, make_input, run_gathered)
 from mpi4py import MPI
+from test_wire import reference as wire_reference
 
 from mpcomm import Communicator, ParallelMesh
-from mpcomm.algorithms import REGISTRY, pipelined
+from mpcomm.algorithms import REGISTRY, compressed, pipelined
+from mpcomm.compression import WIRES
 from mpcomm.nn import SGD, TransformerMLPBlock, make_optimizer, mse_loss
 from mpcomm.parallel.fsdp import FullyShardedDataParallel
 from mpcomm.parallel.pipeline import PipelineParallel
@@ -125,6 +127,36 @@ def test_allreduce_every_algorithm(comm, monkeypatch, algorithm, n):
         in_step(lambda: comm.allreduce(y, op=op, algorithm=algorithm))
         assert_identical_across_ranks(y, f"{algorithm} {op} {np.dtype(dtype)} n={n}")
         assert_reduced(y, gather(x), op, what=f"{algorithm}:")
+
+
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("n", [0, 1, 1009, 2**16 + 3, 2**18 + 5])
+def test_compressed_allreduce_across_nodes(comm, monkeypatch, wire, n):
+    """``allreduce(wire=)`` across real nodes (detected, not simulated), several pipeline segments in flight on the
+    link: the node groups' reference bit for bit (tests/test_wire.py), on every rank."""
+    monkeypatch.setattr(compressed, "SEGMENT_BYTES", 64 << 10)
+    x = (np.random.default_rng([n, comm.rank]).standard_normal(n) * 100).astype(np.float32)  # many bits to round
+    y = x.copy()
+    in_step(lambda: comm.allreduce(y, op="avg", wire=wire))
+    assert_identical_across_ranks(y, f"wire={wire} n={n}")
+    np.testing.assert_array_equal(y, wire_reference(gather(x), "avg", wire, RANKS_PER_NODE))
+
+
+def test_compressed_allreduce_sends_the_wire_bytes(comm):
+    """What crosses the NIC is the compressed form: per node 2(N-1)/N of the vector in bf16 (half the float32
+    bytes), however many segments it went in."""
+    n = 4 << 20
+    buf = make_input(np.float32, "sum", (n // 4,), comm.rank)
+    comm.allreduce(buf.copy(), wire="bf16")
+    comm.barrier()
+    before = _nic_bytes()
+    comm.barrier()
+    comm.allreduce(buf, wire="bf16")
+    comm.barrier()
+    sent = _nic_bytes() - before
+    low = n / 2 * 2 * (NUM_NODES - 1) / NUM_NODES
+    for node, count in enumerate(run_gathered(lambda: sent)[::RANKS_PER_NODE]):
+        assert low <= count <= low * 1.2 + (256 << 10), f"node{node} sent {count} B; expected {low:.0f} B of bf16"
 
 
 def test_auto_runs_what_it_chose_and_every_rank_agrees(comm):
