@@ -256,6 +256,14 @@ void decode_int8(const float *scales, const int8_t *q, int64_t n, int64_t block,
 #ifdef MPCOMM_PYTHON
 /* ---- the key passes and avg's finish (alone, or with its last addition) as a Python extension too (importable as mpcomm._kernels): a call through ctypes costs
  * more than the pass itself on a small message, a METH_FASTCALL call a fraction of that. ---- */
+/* Other threads run during a long pass, as they did while ctypes called the same functions (numpy's ufuncs too);
+ * a short one keeps the GIL (letting it go would cost more than the pass). */
+static PyThreadState *let_go_for(Py_ssize_t bytes) { return bytes > 8192 ? PyEval_SaveThread() : NULL; }
+
+static void take_back(PyThreadState *state) {
+    if (state != NULL) PyEval_RestoreThread(state);
+}
+
 /* The writable, C-contiguous buffer of args[0] with 4- or 8-byte items (float32/float64 or their integer
  * views); 0, or -1 with an exception set. */
 static int key_buffer(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, Py_buffer *view) {
@@ -282,8 +290,10 @@ static PyObject *py_float_keys(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     int64_t n = view.len / view.itemsize;
+    PyThreadState *state = let_go_for(view.len);
     if (view.itemsize == 4) float_keys32((int32_t *)view.buf, n, (int)op);
     else float_keys64((int64_t *)view.buf, n, (int)op);
+    take_back(state);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
@@ -293,8 +303,10 @@ static PyObject *py_from_keys(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_buffer view;
     if (key_buffer(args, nargs, 1, &view) < 0) return NULL;
     int64_t n = view.len / view.itemsize;
+    PyThreadState *state = let_go_for(view.len);
     if (view.itemsize == 4) from_keys32((int32_t *)view.buf, n);
     else from_keys64((int64_t *)view.buf, n);
+    take_back(state);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
@@ -310,7 +322,9 @@ static PyObject *py_finish(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     int64_t n = view.len / view.itemsize;
+    PyThreadState *state = let_go_for(view.len);
     int nan = view.itemsize == 4 ? finish32((float *)view.buf, n, divisor) : finish64((double *)view.buf, n, divisor);
+    take_back(state);
     PyBuffer_Release(&view);
     return PyBool_FromLong(nan);
 }
@@ -341,10 +355,13 @@ static PyObject *py_add_finish(PyObject *self, PyObject *const *args, Py_ssize_t
     if (a.len != out.len || b.len != out.len || a.itemsize != out.itemsize || b.itemsize != out.itemsize) {
         PyErr_Format(PyExc_ValueError, "operands of %zd, %zd and %zd bytes: they must be alike", a.len, b.len, out.len);
         result = NULL;
-    } else if (out.itemsize == 4) {
-        add_finish32((const float *)a.buf, (const float *)b.buf, (float *)out.buf, out.len / 4, divisor);
     } else {
-        add_finish64((const double *)a.buf, (const double *)b.buf, (double *)out.buf, out.len / 8, divisor);
+        PyThreadState *state = let_go_for(out.len);
+        if (out.itemsize == 4)
+            add_finish32((const float *)a.buf, (const float *)b.buf, (float *)out.buf, out.len / 4, divisor);
+        else
+            add_finish64((const double *)a.buf, (const double *)b.buf, (double *)out.buf, out.len / 8, divisor);
+        take_back(state);
     }
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);

@@ -4,6 +4,9 @@ checks must catch (so they have teeth). One process; the collectives built on th
 from __future__ import annotations
 
 import ctypes
+import sys
+import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -230,6 +233,46 @@ def test_combine_finished_is_numpys_add_then_division(dtype, divisor):
     """avg's last addition and its finish in one pass: numpy's two passes, bit for bit."""
     compiled()
     assert combine_mismatches(kernels.combine_finished, dtype, divisor) == 0
+
+
+@pytest.mark.parametrize("entry", ["float_keys", "from_keys", "finish", "add_finish"])
+def test_a_long_pass_lets_other_threads_run(entry):
+    """The extension lets go of the GIL during a long pass, as ctypes did. With a switch interval far longer than
+    the test, a thread waiting for the GIL gets it only when the main thread lets go, and this one gives it back
+    at once; so it counts during a call (of up to 20) only if the call lets go."""
+    module = compiled().module
+    if module is None:
+        pytest.skip("Python's headers are not installed here: the passes go through ctypes (which lets go)")
+    x, y = np.ones(1 << 22, np.float32), np.ones(1 << 22, np.float32)
+    call = {"float_keys": lambda: module.float_keys(x, 3), "from_keys": lambda: module.from_keys(x.view(np.int32)),
+            "finish": lambda: module.finish(x, 3), "add_finish": lambda: module.add_finish(x, y, x, 3)}[entry]
+    counter, go, stop = [0], threading.Event(), threading.Event()
+
+    def count():
+        go.wait()
+        while not stop.is_set():
+            counter[0] += 1
+            time.sleep(1e-6)  # (gives the GIL back)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    thread = threading.Thread(target=count)
+    try:
+        thread.start()
+        go.set()
+        moved = False
+        for _ in range(20):
+            before = counter[0]
+            call()
+            if counter[0] > before:
+                moved = True
+                break
+    finally:
+        stop.set()
+        go.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert moved, f"{entry} kept the GIL for its whole pass over 16 MiB, 20 times"
 
 
 def test_combine_finished_falls_back_where_the_extension_cannot():
