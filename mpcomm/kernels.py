@@ -7,7 +7,7 @@ each step of a key mapping is a pass over the data. ``kernels.c`` does each in o
 use with the C compiler (``CC``, else Python's, else ``cc``) for this CPU into ``<sys.prefix>/mpcomm-kernels``
 (or ``~/.cache/mpcomm`` if that is not writable), named by a hash of its source, flags and CPU, and loaded with
 ctypes. Where Python's headers are installed the same library is also imported as an extension module, whose
-key passes skip ctypes' per-call cost (most of a small min/max's extra time). Without a compiler, or with
+key passes and avg's finishing passes skip ctypes' per-call cost (most of a small min/max's or avg's extra time). Without a compiler, or with
 ``MPCOMM_KERNELS=0``, the numpy forms below run instead: the same results, bit for bit, slower (a failed build
 warns once, naming why).
 
@@ -55,7 +55,8 @@ LOADED = _Loaded.LOADED
 
 class Kernels:
     """The compiled library's functions, typed for ctypes; ``module``: the same library imported as an extension
-    (None where it was built without Python's headers), whose ``float_keys``/``from_keys`` are used if present."""
+    (None where it was built without Python's headers): its ``float_keys``/``from_keys`` are used if present, and
+    its ``finish``/``add_finish`` only through it (:func:`finish_floats`, :func:`combine_finished`)."""
 
     def __init__(self, library: ctypes.CDLL, module=None):
         pointer, size = ctypes.c_void_p, ctypes.c_int64
