@@ -381,3 +381,28 @@ def test_model_prices_each_op_and_dtype(layout):
             for operation in ("allreduce", "reduce_scatter"):
                 for n in (8, 4096, 1 << 16, 1 << 20, 1 << 26):
                     assert selector.choose(operation, n, dtype, op) == before.choose(operation, n, dtype, op)
+
+
+@pytest.mark.parametrize("layout", PRICED_LAYOUTS, ids=lambda lay: f"{lay.node_sizes}-rpc{lay.ranks_per_core:g}")
+def test_avg_is_priced_where_its_division_runs(layout):
+    """avg's division costs what the code does: nothing beside the ring's, pipelined ring's and direct's last
+    addition (one pass of the extension, or direct's 16-bit reduction); native's writes back the pass its NaN check
+    makes anyway (no call of its own); rhd and tree make a numpy pass of their own, a call whatever the size."""
+    from mpcomm.buffers import BFLOAT16
+
+    model = CostModel()
+    for dtype in (np.dtype(np.float32), np.dtype(np.float64), BFLOAT16, np.dtype(np.float16)):
+        for n in (8, 1 << 16, 1 << 24):
+            def extra(algorithm):
+                return (model.call("allreduce", algorithm, n, layout, dtype, "avg")
+                        - model.call("allreduce", algorithm, n, layout, dtype, "sum"))
+            for algorithm in ("ring", "ring_pipelined", "direct"):
+                assert extra(algorithm) == 0.0, (algorithm, dtype, n)
+            wire = model.wire_bytes("native", n, dtype, "avg")
+            assert extra("native") == pytest.approx(wire * model.pass_byte), (dtype, n)  # bytes only: no call
+            for algorithm in ("rhd", "tree"):
+                assert extra(algorithm) > model.alpha_pass, (algorithm, dtype, n)
+    f32 = np.dtype(np.float32)
+    keys = model.call("allreduce", "native", 8, layout, f32, "max") - model.call("allreduce", "native", 8, layout, f32, "sum")
+    assert keys == pytest.approx(2 * model.alpha_kernel + 2 * 8 * model.pass_byte)  # two extension calls, not numpy's
+

@@ -25,6 +25,7 @@ import numpy as np
 from .. import topology
 from ..buffers import AVG, LOW_PRECISION, MAX, MIN, SUM
 from ..compression import codec
+from ..kernels import KEY_DTYPES
 from ..mpi_library import library
 from ..tuning.table import TABLE_FORMAT, check_table
 from . import KEEP_LOW_PRECISION
@@ -128,6 +129,9 @@ class CostModel:
     # (bench/results/dtype_op.md).
     native_narrow_int_scale: tuple = ((1, 2.0), (2, 1.6))
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
+    # One call of the extension module's float passes (``mpcomm.kernels``: native's key mapping each way, avg's
+    # finish), however small, its Python wrapper included (bench/results/observations.md, "The extension's passes").
+    alpha_kernel: float = 0.3e-6
     # The wire codecs' compiled passes (mpcomm.compression), seconds per byte of the float32 vector: encode,
     # decode, decode-and-add (64 MiB, best of 5, quiet; bench/results/compression.md).
     codec_byte: tuple = (("bf16", (0.17e-9, 0.31e-9, 0.22e-9)), ("fp16", (0.15e-9, 0.25e-9, 0.25e-9)),
@@ -250,10 +254,24 @@ class CostModel:
                 total += 2 * self.alpha_pass + n * dict(self.widen_bytes)[str(dtype)]
         floating = dtype.kind in "fc" or dtype in LOW_PRECISION
         if algorithm == "native" and floating and op in (MIN, MAX):
-            total += 2 * (self.alpha_pass + wire * self.pass_byte)  # to keys and back
-        if op == AVG:  # native and tree divide the whole vector, the others the part each rank finishes
-            total += self.alpha_pass + wire * self.pass_byte / (1 if algorithm in ("native", "tree") else p)
+            total += 2 * (self.alpha_kernel + wire * self.pass_byte)  # to keys and back
+        if op == AVG:
+            total += self.avg_finish(algorithm, wire, p, dtype)
         return total
+
+    def avg_finish(self, algorithm: str, wire: float, p: int, dtype: np.dtype) -> float:
+        """Seconds avg's division adds to a sum of ``wire`` bytes. Where the extension does it for a float32/float64
+        wire it rides on a pass the sum makes anyway: native's NaN check (writing the vector back) and the last
+        addition of the ring, pipelined ring and direct (one pass either way); direct's float16/bfloat16 divide in
+        their reduction pass. Otherwise it is a pass of its own over what the rank finishes (native and tree: the
+        whole vector; the others: 1/p of it)."""
+        widened = dtype in LOW_PRECISION and algorithm not in KEEP_LOW_PRECISION
+        by_extension = widened or dtype in KEY_DTYPES
+        if algorithm == "native" and by_extension:
+            return wire * self.pass_byte
+        if algorithm in ("ring", "ring_pipelined", "direct") and (by_extension or dtype in LOW_PRECISION):
+            return 0.0
+        return self.alpha_pass + wire * self.pass_byte / (1 if algorithm in ("native", "tree") else p)
 
     @staticmethod
     def wire_bytes(algorithm: str, nbytes: int, dtype: np.dtype | None, op: str | None) -> int:
