@@ -16,7 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -98,11 +98,52 @@ static void combine(int op, float *acc, const float *x, int64_t m) {
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 16 elements at a time, the scalar forms' operations lane by lane (so the same bits). */
+static inline __m512 widen16(int kind, const uint16_t *src) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)src);
+    if (kind == FLOAT16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void narrow16(int kind, __m512 f, uint16_t *dst) {
+    if (kind == FLOAT16) {
+        _mm256_storeu_si256((__m256i *)dst, _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+        return;
+    }
+    const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
+    __m512i half = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, half), 16);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+}
+
+/* out <- round((x + y) / divisor) over the first multiple of 16 elements (two chunks' sum or avg, p = 2's case,
+ * in one pass with nothing stored in between); returns how many it did. out may be x or y. */
+static int64_t sum2_avx512(int kind, const uint16_t *x, const uint16_t *y, int64_t n, float divisor, uint16_t *out) {
+    int64_t i = 0;
+    if (divisor == 1.0f) {
+        for (; i + 16 <= n; i += 16) narrow16(kind, _mm512_add_ps(widen16(kind, x + i), widen16(kind, y + i)), out + i);
+    } else {
+        const __m512 d = _mm512_set1_ps(divisor);
+        for (; i + 16 <= n; i += 16)
+            narrow16(kind, _mm512_div_ps(_mm512_add_ps(widen16(kind, x + i), widen16(kind, y + i)), d), out + i);
+    }
+    return i;
+}
+#endif
+
 /* out[i] <- round((((chunks[0][i] op chunks[1][i]) op chunks[2][i]) ...) / divisor) with float32 in between.
  * out may be one of the chunks: each block is read whole before it is written. */
 void reduce16(int kind, int op, const uint16_t *const *chunks, int count, int64_t n, float divisor, uint16_t *out) {
     float acc[BLOCK], x[BLOCK];
-    for (int64_t start = 0; start < n; start += BLOCK) {
+    int64_t done = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (op == SUM && count == 2) done = sum2_avx512(kind, chunks[0], chunks[1], n, divisor, out);
+#endif
+    for (int64_t start = done; start < n; start += BLOCK) {
         int64_t m = n - start < BLOCK ? n - start : BLOCK;
         widen(kind, chunks[0] + start, acc, m);
         for (int k = 1; k < count; k++) {

@@ -321,6 +321,27 @@ CAUGHT_BY = {  # the check that must fail for each mutant: (dtype, op)
 }
 
 
+# The two-chunk sum's 16-lane pass (built where the CPU has AVX-512BW), run by count 2: its own mutants.
+LANES_MUTANTS = {
+    "bfloat16 rounds half up": ("_mm512_and_si512(_mm512_srli_epi32(u, 16), one)", "one"),
+    "float16 truncates": ("_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT)", "_mm512_cvtps_ph(f, _MM_FROUND_TO_ZERO)"),
+    "avg multiplies by the divisor": ("_mm512_div_ps(", "_mm512_mul_ps("),
+}
+LANES_CAUGHT_BY = {"bfloat16 rounds half up": (BFLOAT16, "sum"), "float16 truncates": (np.dtype(np.float16), "sum"),
+                   "avg multiplies by the divisor": (BFLOAT16, "avg")}
+
+
+@pytest.mark.parametrize("mutant", list(LANES_MUTANTS))
+def test_checks_catch_a_broken_two_chunk_pass(mutant, tmp_path):
+    """A broken 16-lane pass (what direct's reduction runs at p = 2) fails the check the real one passes."""
+    if "avx512bw" not in kernels._cpu_flags().split():
+        pytest.skip("this CPU has no AVX-512BW: the 16-lane pass is not built here")
+    mutated = kernels.Kernels(ctypes.CDLL(mutated_library(tmp_path, *LANES_MUTANTS[mutant])))
+    dtype, name = LANES_CAUGHT_BY[mutant]
+    assert reduce16_mismatches(compiled(), dtype, name, 2, 1001) == 0
+    assert reduce16_mismatches(mutated, dtype, name, 2, 1001) > 0, f"the check missed the mutant {mutant!r}"
+
+
 @pytest.mark.parametrize("through", ["extension", "ctypes"])
 def test_key_checks_catch_a_broken_key_pass(through, tmp_path):
     """A key pass that lets NaN sort as a number, through either entry, fails the check the real one passes."""
