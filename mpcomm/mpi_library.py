@@ -20,6 +20,7 @@ cost model takes its constants for ``native`` from the library's profile too (``
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -67,6 +68,17 @@ WAYS: dict[str, dict[str, Any]] = {
     "persistent": {"persistent_upto": 1 << 62, "blocking_above": None},
     "meet+blocking": {"persistent_upto": 0, "blocking_above": -1, "blocking_on_shared_cores": True},
 }
+
+
+def loaded_path() -> str:
+    """The path of the MPI library mpi4py loaded into this process (from /proc/self/maps); the C parts built
+    against it (``native_calls``, the torch backend's) find its ``mpi.h`` beside it."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith(("libmpi.so", "libmpich.so")):
+                return path
+    raise FileNotFoundError("no libmpi.so / libmpich.so among this process's libraries (is mpi4py's MPI loaded?)")
 
 
 def forced(way: str) -> Library:
