@@ -43,7 +43,8 @@ class Library:
 
 PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # Persistent requests are off on both until two calls of one (count, dtype, op) in flight at once (a
-    # non-blocking collective beside a blocking one) get requests of their own: sharing one deadlocked them.
+    # non-blocking collective beside a blocking one) get requests of their own: sharing one deadlocked them. (With
+    # native_calls' C call they saved nothing end to end on Open MPI at 8 B-4 KiB: their lookup costs as much.)
     "mpich": Library("mpich", persistent_upto=0, blocking_above=None),
     # libnbc builds a schedule per Iallreduce (persistent requests would save it; off, see above) and runs 1.5-2.3x
     # behind the meeting + blocking call from 256 KiB on an idle node; below it the meeting costs more than it saves.
