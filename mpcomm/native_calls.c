@@ -66,6 +66,20 @@ static PyObject *failed(int code) {
     return NULL;
 }
 
+/* The arguments both calls share: (handle, buffer, ..., nan_check, tests) with five in all, `usage` naming them;
+ * 0, with an exception set, where they are not that. */
+static int shared_arguments(PyObject *const *args, Py_ssize_t nargs, const char *usage, long *handle,
+                            int *nan_check, long *tests) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return 0;
+    }
+    *handle = PyLong_AsLong(args[0]);
+    *tests = PyLong_AsLong(args[4]);
+    *nan_check = PyObject_IsTrue(args[3]);
+    return !PyErr_Occurred();
+}
+
 static int done_after(MPI_Request *request, long tests, int *code) {
     int done = 0;
     for (long i = 0; i < tests && !done; i++)
@@ -79,13 +93,11 @@ static int done_after(MPI_Request *request, long tests, int *code) {
  * sent, for a buffer whose format has no MPI datatype here. */
 static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "allreduce(comm, buf, op, nan_check, tests)");
+    long comm, op, tests;
+    int nan_check;
+    if (!shared_arguments(args, nargs, "allreduce(comm, buf, op, nan_check, tests)", &comm, &nan_check, &tests))
         return NULL;
-    }
-    long comm = PyLong_AsLong(args[0]), op = PyLong_AsLong(args[2]), tests = PyLong_AsLong(args[4]);
-    int nan_check = PyObject_IsTrue(args[3]);
-    if (PyErr_Occurred()) return NULL;
+    if ((op = PyLong_AsLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
     int floats, code = MPI_SUCCESS;
@@ -117,13 +129,10 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
  * nothing started, for a format this does not take. */
 static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "start(request, own, buf, nan_check, tests)");
+    long handle, tests;
+    int nan_check;
+    if (!shared_arguments(args, nargs, "start(request, own, buf, nan_check, tests)", &handle, &nan_check, &tests))
         return NULL;
-    }
-    long handle = PyLong_AsLong(args[0]), tests = PyLong_AsLong(args[4]);
-    int nan_check = PyObject_IsTrue(args[3]);
-    if (PyErr_Occurred()) return NULL;
     Py_buffer own, buf;
     if (PyObject_GetBuffer(args[1], &own, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
     if (PyObject_GetBuffer(args[2], &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
