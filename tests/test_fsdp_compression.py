@@ -15,11 +15,13 @@ no such matrix are reduce-scattered exactly and keep no error. FSDP's PowerSGD a
 """
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
 import pytest
 from conftest import WORLD, run_gathered
+from test_checkpoint_integrity import SHARD_DAMAGE, _on_rank0, _outcomes, _version_dir, assert_every_rank_raises
 from test_fsdp import _sub, adam, assert_close, reference, sgd, shared_tmpdir, train
 from test_grad_compression import compressed_dims, gram_schmidt
 from test_wire import on_the_wire
@@ -310,6 +312,27 @@ def test_checkpoint_at_another_world_size_takes_the_mean_error(comm, compression
         for name, q in saved_q.items():
             np.testing.assert_array_equal(state["powersgd_q"][name], q, err_msg=name)
     sub.free()
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("damage", ["bit flipped in the data", "truncated", "missing"])
+def test_damaged_powersgd_q_file_raises_on_every_rank(comm, damage):
+    """The Qs are written once (rank 0) and read by every rank: damage is one CheckpointError everywhere, nothing
+    changed."""
+    if P == 1:
+        pytest.skip("one rank compresses nothing: no Q is saved")
+    path = shared_tmpdir(comm)
+    engine = engine_of(comm, "powersgd:2")
+    train(engine, sgd(engine.parameters()), comm, steps=1, workload=WL32)
+    engine.save_sharded(path)
+    target = os.path.join(_version_dir(path), "u0001.powersgd_q.npy")
+    _on_rank0(lambda: SHARD_DAMAGE[damage](target))
+    fresh = engine_of(comm, "powersgd:2")
+    outcomes = _outcomes(lambda: fresh.load_sharded(path))
+    assert_every_rank_raises(outcomes, "CheckpointError", "u0001.powersgd_q.npy")
+    assert fresh.compressor.q == {} and fresh.compressor.steps == 0
     comm.barrier()
     if comm.rank == 0:
         shutil.rmtree(path)
