@@ -8,7 +8,8 @@ Modes (``DistributedDataParallel(compression=...)``, ``mpcomm-train --compressio
 * ``"powersgd:R"``: torch's ``powerSGD_hook`` (Vogels et al., 2019) at rank R: every gradient of >= 2 dims, seen as a
   matrix M (first dim x the rest), is sent as P = M Q (all-reduced, orthogonalized) and Q = M^T P (all-reduced,
   averaged); the rank's new gradient is P Q^T. Q is warm-started from the previous step. Vectors, and matrices
-  too small for rank R to save bytes (torch's ``min_compression_rate`` 2), are averaged exactly.
+  too small for rank R to save bytes (torch's ``min_compression_rate`` 2), are averaged exactly
+  (:mod:`mpcomm.parallel.powersgd`, shared with FSDP).
 * ``"auto"``: per bucket and step, the wire the communicator's cost model prices cheapest
   (:func:`mpcomm.compression.pays`), else exact; on one host that is always exact.
 
@@ -129,6 +130,7 @@ class GradCompressor:
 
     # -- error feedback --------------------------------------------------------------------------
     def _feedback(self, bucket: "Bucket") -> Callable[[], None]:
+        """Add last step's error to the bucket's gradients; returns what keeps this step's error (:func:`feed_back`)."""
         if not self.spec.error_feedback:
             return _nothing
         return feed_back(self.errors, bucket.index, bucket.buffer[: bucket.numel])
