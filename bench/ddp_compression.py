@@ -53,7 +53,7 @@ def main() -> None:
           f"run's steps {args.skip}..{cfg['steps'] - 1} (rank 0's step: data, forward, backward with the gradient "
           "sync, optimizer, loss all-reduce), then median [min, max] over the rounds.\n")
     print("| mode | step ms, median [min, max] | x faster than none, median [min, max] | loss at last step | "
-          "vs none | mean loss, last 10 steps | vs none | auto's choice per bucket |")
+          f"vs none | mean loss, last 10 steps | vs none | choice per {'unit' if engine == 'fsdp' else 'bucket'} |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for mode in modes:
         by_round = runs[key[mode]]
