@@ -1,4 +1,4 @@
-"""Report of bench/cluster_ddp_compression.sh: step time and loss of ``mpcomm-train --engine ddp`` per
+"""Report of bench/cluster_ddp_compression.sh: step time and loss of ``mpcomm-train --engine ddp|fsdp`` per
 ``--compression`` mode, from the runs' ``--json`` files (``<mode>.r<round>.json``), as markdown on stdout.
 
     python bench/ddp_compression.py --where "ci/cluster.sh 2 1 1gbit" --command "..." --modes "none auto" DIR/*.json
@@ -41,7 +41,8 @@ def main() -> None:
     base = runs[key["none"]] if "none" in modes else None
     any_run = next(iter(next(iter(runs.values())).values()))
     cfg = any_run["config"]
-    print(f"# DDP gradient compression: mpcomm-train --engine ddp, {args.where}\n")
+    engine = any_run["engine"]
+    print(f"# {engine.upper()} gradient compression: mpcomm-train --engine {engine}, {args.where}\n")
     print(f"Reproduce with `{args.command}`.\n")
     print(f"Model: {cfg['layers']} transformer MLP blocks, d_model {cfg['d_model']}, d_hidden {cfg['d_hidden']}, "
           f"{cfg['dtype']}, global batch {cfg['global_batch']}, optimizer {cfg['optimizer']} lr {cfg['lr']}, "
@@ -52,7 +53,7 @@ def main() -> None:
           f"run's steps {args.skip}..{cfg['steps'] - 1} (rank 0's step: data, forward, backward with the gradient "
           "sync, optimizer, loss all-reduce), then median [min, max] over the rounds.\n")
     print("| mode | step ms, median [min, max] | x faster than none, median [min, max] | loss at last step | "
-          "vs none | mean loss, last 10 steps | vs none | auto's choice per bucket |")
+          f"vs none | mean loss, last 10 steps | vs none | choice per {'unit' if engine == 'fsdp' else 'bucket'} |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for mode in modes:
         by_round = runs[key[mode]]

@@ -7,7 +7,8 @@ how it waits on each library. For each size (float32 sum) this times, interleave
 ``Allreduce`` (no deadline: the reference), raw ``Iallreduce`` + ``Test`` loop and a raw persistent request
 (``Allreduce_init``, started per call over its own buffer, with the copies in and out) — what each way costs in
 MPI alone — then ``native`` forced to each of its ways (``[nonblocking]``, ``[persistent]``,
-``[meet+blocking]``), ``native`` as this library's profile chooses, and mpcomm's rhd and ring. A loop's time is
+``[meet+blocking]``), ``native`` as this library's profile chooses (through ``native_calls``' C call where it is
+built, and through mpi4py's calls), and mpcomm's rhd and ring. A loop's time is
 the slowest rank's; reports the median loop, min-max as the spread, and each contender's ratio to raw
 ``Allreduce`` of the same size in the same run.
 """
@@ -23,6 +24,7 @@ from small_messages import measure, summarize
 from mpcomm import Communicator
 from mpcomm.algorithms import native
 from mpcomm.mpi_library import WAYS, forced, library
+from mpcomm.native_calls import load as load_calls
 
 SIZES = "8,64,512,4096,32768,262144,2097152,16777216"
 
@@ -42,9 +44,10 @@ def contenders(comm: Communicator, buf: np.ndarray) -> dict:
         poll(persistent)
         buf[...] = own
 
-    def native_as(profile):
+    def native_as(profile, through=load_calls):
         def call():
             native.library = lambda: profile  # (every rank sets the same: the ways stay paired across ranks)
+            native.load_calls = through
             comm.allreduce(buf, algorithm="native")
         return call
 
@@ -57,6 +60,7 @@ def contenders(comm: Communicator, buf: np.ndarray) -> dict:
     for way in WAYS:
         calls[f"native [{way}]"] = native_as(forced(way))
     calls[f"native ({shipped.name})"] = native_as(shipped)
+    calls[f"native ({shipped.name}), mpi4py"] = native_as(shipped, through=lambda: None)
     calls["mpcomm rhd"] = lambda: comm.allreduce(buf, algorithm="rhd")
     calls["mpcomm ring"] = lambda: comm.allreduce(buf, algorithm="ring")
     return calls, persistent
@@ -80,14 +84,14 @@ def main(argv=None) -> int:
                 rows.append({"bytes": nbytes, "calls": loop, **row})
             persistent.Free()
     finally:
-        native.library = library
+        native.library, native.load_calls = library, load_calls
     if comm.rank == 0:
         print(f"{comm.size} ranks on {MPI.Get_library_version().splitlines()[0].strip()}; float32 sum; "
               f"{args.rounds} rounds; us per call, median [min-max] of the rounds, ratio to raw Allreduce")
-        print(f"{'bytes':>9} {'contender':24} {'median':>10} {'spread':>21} {'x raw':>6}")
+        print(f"{'bytes':>9} {'contender':30} {'median':>10} {'spread':>21} {'x raw':>6}")
         for row in rows:
             spread = f"[{row['min_us']:.2f}-{row['max_us']:.2f}]"
-            print(f"{row['bytes']:9d} {row['contender']:24} {row['median_us']:10.2f} {spread:>21} {row['ratio']:6.2f}")
+            print(f"{row['bytes']:9d} {row['contender']:30} {row['median_us']:10.2f} {spread:>21} {row['ratio']:6.2f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": comm.size, "library": MPI.Get_library_version().splitlines()[0].strip(),

@@ -29,6 +29,7 @@ import sys
 import sysconfig
 import tempfile
 import warnings
+from typing import Sequence
 
 import numpy as np
 
@@ -97,26 +98,28 @@ def load() -> Kernels | None:
         return None
 
 
-def extension(path: str):
-    """The library at ``path`` imported as the extension module ``mpcomm._kernels``; None if it was built
-    without Python's headers (it then has no ``PyInit__kernels``)."""
+def extension(path: str, name: str = "mpcomm._kernels"):
+    """The library at ``path`` imported as the extension module ``name``; None if it was built without Python's
+    headers (it then has no ``PyInit_<name's last part>``)."""
     library = ctypes.CDLL(path)
-    if not hasattr(library, "PyInit__kernels"):
+    if not hasattr(library, "PyInit_" + name.rpartition(".")[2]):
         return None
-    loader = importlib.machinery.ExtensionFileLoader("mpcomm._kernels", path)
-    module = importlib.util.module_from_spec(importlib.machinery.ModuleSpec("mpcomm._kernels", loader, origin=path))
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    module = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(name, loader, origin=path))
     loader.exec_module(module)
     return module
 
 
-def build(source: str | None = None, directory: str | None = None) -> str:
-    """Compile ``source`` (C text; default ``kernels.c``) unless a build of it is cached; the library's path."""
+def build(source: str | None = None, directory: str | None = None, flags: Sequence[str] = (),
+          name: str = "kernels") -> str:
+    """Compile ``source`` (C text; default ``kernels.c``) unless a build of it is cached (``<name>-<hash>.so``);
+    the library's path. ``flags`` come after the source (libraries to link: the linker may drop those before it)."""
     text = open(SOURCE).read() if source is None else source
     compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-    flags = [*FLAGS, *_vector_flags(), *_python_flags()]
-    key = hashlib.sha256("\0".join([text, *compiler, *flags, platform.machine(), _cpu_flags()]).encode())
+    options = [*FLAGS, *_vector_flags(), *_python_flags()]
+    key = hashlib.sha256("\0".join([text, *compiler, *options, *flags, platform.machine(), _cpu_flags()]).encode())
     directory = directory or cache_directory()
-    path = os.path.join(directory, f"kernels-{key.hexdigest()[:20]}.so")
+    path = os.path.join(directory, f"{name}-{key.hexdigest()[:20]}.so")
     if os.path.exists(path):
         return path
     fd, scratch = tempfile.mkstemp(dir=directory, suffix=".c")
@@ -124,7 +127,7 @@ def build(source: str | None = None, directory: str | None = None) -> str:
         f.write(text)
     built = scratch[:-2] + ".so"
     try:
-        done = subprocess.run([*compiler, *flags, "-o", built, scratch], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([*compiler, *options, "-o", built, scratch, *flags], capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()}")
         os.replace(built, path)  # atomic: ranks building at once each rename a complete library

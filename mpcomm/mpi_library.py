@@ -20,6 +20,7 @@ cost model takes its constants for ``native`` from the library's profile too (``
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,7 +43,8 @@ class Library:
 
 PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # Persistent requests are off on both until two calls of one (count, dtype, op) in flight at once (a
-    # non-blocking collective beside a blocking one) get requests of their own: sharing one deadlocked them.
+    # non-blocking collective beside a blocking one) get requests of their own: sharing one deadlocked them. (With
+    # native_calls' C call they saved nothing end to end on Open MPI at 8 B-4 KiB: their lookup costs as much.)
     "mpich": Library("mpich", persistent_upto=0, blocking_above=None),
     # libnbc builds a schedule per Iallreduce (persistent requests would save it; off, see above) and runs 1.5-2.3x
     # behind the meeting + blocking call from 256 KiB on an idle node; below it the meeting costs more than it saves.
@@ -67,6 +69,17 @@ WAYS: dict[str, dict[str, Any]] = {
     "persistent": {"persistent_upto": 1 << 62, "blocking_above": None},
     "meet+blocking": {"persistent_upto": 0, "blocking_above": -1, "blocking_on_shared_cores": True},
 }
+
+
+def loaded_path() -> str:
+    """The path of the MPI library mpi4py loaded into this process (from /proc/self/maps); the C parts built
+    against it (``native_calls``, the torch backend's) find its ``mpi.h`` beside it."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith(("libmpi.so", "libmpich.so")):
+                return path
+    raise FileNotFoundError("no libmpi.so / libmpich.so among this process's libraries (is mpi4py's MPI loaded?)")
 
 
 def forced(way: str) -> Library:

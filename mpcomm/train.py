@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP gradient bucket cap")
     ap.add_argument("--compression", default=None, metavar="MODE",
                     help="gradient compression with error feedback: bf16, fp16, int8 (float32 models), "
-                         "powersgd:RANK (ddp only) or auto (the cost model's choice per bucket or FSDP unit; off on "
+                         "powersgd:RANK or auto (the cost model's choice per bucket or FSDP unit; off on "
                          "one host); ddp, and fsdp with --fsdp-strategy full_shard or shard_grad_op")
     ap.add_argument("--compression-warmup", type=int, default=DEFAULT_WARMUP_STEPS, metavar="STEPS",
                     help="exact (uncompressed) steps before compression starts")
@@ -88,9 +88,6 @@ def resolve_layout(args: argparse.Namespace, world: int) -> tuple[int, int, int]
     spec = parse_compression(args.compression, args.compression_warmup)
     if spec is not None and args.engine not in ("ddp", "fsdp"):
         raise ConfigError(f"--compression {args.compression} is for --engine ddp or fsdp (got --engine {args.engine})")
-    if spec is not None and args.engine == "fsdp" and spec.mode == "powersgd":
-        raise ConfigError(f"--compression {args.compression} is for --engine ddp: FSDP shards the gradient matrices "
-                          "PowerSGD needs whole (use bf16, fp16, int8 or auto with --engine fsdp)")
     if spec is not None and args.engine == "fsdp" and args.fsdp_strategy not in ("full_shard", "shard_grad_op"):
         raise ConfigError(f"--compression {args.compression} with --engine fsdp compresses the reduce-scatter of "
                           f"--fsdp-strategy full_shard or shard_grad_op (got {args.fsdp_strategy})")

@@ -65,6 +65,7 @@ class Transport:
         self._cross: Transport | None = None
         self._uniform: bool | None = None
         self.others = tuple(r for r in range(self.size) if r != self.rank)  # every peer (error messages)
+        self.fortran = mpi_comm.py2f()  # the communicator's Fortran handle (what code in C is given: native_calls)
         # Held while a collective runs on this transport: a second thread arriving meanwhile is an error.
         self.in_use = threading.Lock()
         # Measured totals of the collectives run here: plan -> [calls, seconds] (stats() sums them by operation

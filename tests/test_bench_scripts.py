@@ -108,11 +108,12 @@ def test_pipeline_idle_tiny():
     assert len(rows) == 2 and len(replays) == 3 and all("x theory" in line for line in replays), out
 
 
-def test_ddp_compression_tiny(tmp_path):
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_ddp_compression_tiny(tmp_path, engine):
     """bench/cluster_ddp_compression.sh on one host (LOCAL=1) at toy size: one row per mode, 'none' the baseline,
-    PowerSGD's choice per bucket reported."""
+    PowerSGD's choice per bucket (FSDP: per unit) reported."""
     out = tmp_path / "compression.md"
-    env = dict(os.environ, LOCAL="1", MODES="none powersgd:1", ROUNDS="1", STEPS="22", OUT=str(out),
+    env = dict(os.environ, LOCAL="1", MODES="none powersgd:1", ROUNDS="1", STEPS="22", OUT=str(out), ENGINE=engine,
                PYTHON=sys.executable, PATH=os.path.dirname(mpiexec_path()) + os.pathsep + os.environ["PATH"],
                MODEL="--layers 1 --d-model 16 --d-hidden 32 --global-batch 4 --compression-warmup 2")
     proc = subprocess.run(["bash", "bench/cluster_ddp_compression.sh"], cwd=ROOT, env=env, capture_output=True,
@@ -120,6 +121,7 @@ def test_ddp_compression_tiny(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| none") or line.startswith("| powersgd")]
     assert len(rows) == 2 and "1.00 [1.00, 1.00]" in rows[0] and rows[1].endswith("| powersgd |"), rows
+    assert out.read_text().startswith(f"# {engine.upper()} gradient compression: mpcomm-train --engine {engine}")
 
 
 def test_ddp_auto_onehost_tiny():

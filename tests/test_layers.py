@@ -22,7 +22,8 @@ ROOT = os.path.dirname(mpcomm.__file__)
 # Bottom to top. A module's layer is that of the longest name listed that is it or a package holding it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("facts", ("mpcomm.errors", "mpcomm.info", "mpcomm.mpi_library", "mpcomm.cuda", "mpcomm.buffers",
-               "mpcomm.kernels", "mpcomm.compression", "mpcomm.tuning.table", "mpcomm.schedules")),
+               "mpcomm.kernels", "mpcomm.native_calls", "mpcomm.compression", "mpcomm.tuning.table",
+               "mpcomm.schedules")),
     ("transports", ("mpcomm.transport", "mpcomm.topology", "mpcomm.settings", "mpcomm.work", "mpcomm.p2p",
                     "mpcomm.device", "mpcomm.staging", "mpcomm.trace")),
     ("algorithms", ("mpcomm.algorithms",)),

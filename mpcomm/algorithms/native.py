@@ -21,24 +21,26 @@ from ..buffers import MAX, MIN, ReduceOp
 from ..errors import CollectiveMismatchError
 from ..kernels import KEY_DTYPES, finish_floats, from_keys, to_keys
 from ..mpi_library import Library, library
+from ..native_calls import load as load_calls
 from ..transport import Transport
 
 _MIN_MAX = (MIN, MAX)
 _SMALL = 16  # up to this many elements a NaN is looked for by a sum in Python (see _has_nan)
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
 _PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) one transport keeps at most
+_ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-reduce, holding the GIL throughout
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
     dtype = buf.dtype
     if op.name in _MIN_MAX and dtype in KEY_DTYPES:
         keys = to_keys(buf, op.name)
-        _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, keys, op.mpi))
+        _allreduce_in_place(t, keys, op)
         from_keys(keys)
         return
-    _allreduce_in_place(t, buf, op)
     nans_matter = dtype.kind in "fc" and t.size > 1
-    if op.divisor == 1 and not nans_matter:
+    if _allreduce_in_place(t, buf, op, canonical=nans_matter and op.divisor == 1) or (
+            op.divisor == 1 and not nans_matter):
         return
     found = finish_floats(buf, op.divisor)  # (float32/float64: both in one pass)
     if found is not None:
@@ -110,26 +112,30 @@ def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _allreduce_in_place(t: Transport, buf, op: ReduceOp) -> None:
+def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False) -> bool:
     """``buf`` <- the library's all-reduce of ``buf``, waited for within the deadline the way that is cheapest on
-    this MPI library for its size (``mpcomm.mpi_library``)."""
-    profile = library()
+    this MPI library for its size (``mpcomm.mpi_library``); True if its NaNs were also made canonical (asked for
+    with ``canonical``, and done in ``native_calls``' one C call)."""
     if type(buf) is np.ndarray and t.size > 1:
-        if buf.nbytes <= profile.persistent_upto:
-            persistent = _persistent_allreduce(t, buf, op)
+        nbytes, profile = buf.nbytes, library()
+        calls = load_calls() if nbytes <= _ONE_CALL_UPTO else None
+        if nbytes <= profile.persistent_upto:
+            persistent = t.persistent_requests.get((buf.size, buf.dtype, op.name)) or _persistent_allreduce(t, buf, op)
             if persistent is not None:
-                request, own = persistent
-                own[...] = buf
-                request.Start()
-                if not (request.Test() or request.Test()):  # (not wait_one: a timeout would cancel the request,
-                    t.poll_until(request.Test, t.others)  # and MPICH aborts on MPI_Cancel of a persistent collective)
-                buf[...] = own
-                return
-        if meets_then_blocks(t, profile, buf.nbytes):
+                return _start(t, buf, persistent, calls, canonical)
+        elif meets_then_blocks(t, profile, nbytes):
             _meet(t, buf, op)
             t.mpi.Allreduce(MPI.IN_PLACE, buf, op.mpi)
-            return
+            return False
+        if calls is not None:
+            request = calls.allreduce(t.fortran, buf, op.mpi.py2f(), canonical, t.quick_tests)
+            if request is None:
+                return canonical
+            if request is not NotImplemented:
+                t.wait_one(MPI.Request.f2py(request))
+                return False
     _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi))
+    return False
 
 
 def meets_then_blocks(t: Transport, profile: Library, nbytes: int) -> bool:
@@ -138,13 +144,30 @@ def meets_then_blocks(t: Transport, profile: Library, nbytes: int) -> bool:
             and (profile.blocking_on_shared_cores or not t.cores_shared))
 
 
+def _start(t: Transport, buf, persistent: tuple, calls, canonical: bool) -> bool:
+    """``buf`` <- the all-reduce of ``persistent`` (request, its buffer, its Fortran handle) started on ``buf``'s
+    values; True if the NaNs were made canonical too (in ``native_calls``' one call)."""
+    request, own, handle = persistent
+    done = NotImplemented if calls is None else calls.start(handle, own, buf, canonical, t.quick_tests)
+    if done is NotImplemented:  # (mpi4py's calls: the same MPI calls, one by one)
+        own[...] = buf
+        request.Start()
+        done = canonical = False
+    if done:
+        return canonical
+    if not (request.Test() or request.Test()):  # (not wait_one: a timeout would cancel the request,
+        t.poll_until(request.Test, t.others)  # and MPICH aborts on MPI_Cancel of a persistent collective)
+    buf[...] = own
+    return False
+
+
 def _wait(t: Transport, request) -> None:
     if not (request.Test() or request.Test()):  # (most small ones are done by the second Test at p = 2)
         t.wait_one(request)
 
 
 def _persistent_allreduce(t: Transport, buf, op: ReduceOp):
-    """The (request, buffer) of this transport's persistent all-reduce of ``buf``'s count, dtype and op, made on
+    """The (request, buffer, the request's Fortran handle) of this transport's persistent all-reduce of ``buf``'s count, dtype and op, made on
     first use; None where the library has none (every rank alike: it is the same library). Made in the order of
     the calls, the same on every rank; past ``_PERSISTENT_KEPT`` kinds all are freed (the same on every rank)."""
     kept = t.persistent_requests
@@ -154,7 +177,8 @@ def _persistent_allreduce(t: Transport, buf, op: ReduceOp):
             t.free_persistent_requests()
         own = np.empty_like(buf)
         try:
-            kept[key] = (t.mpi.Allreduce_init(MPI.IN_PLACE, own, op.mpi), own)
+            request = t.mpi.Allreduce_init(MPI.IN_PLACE, own, op.mpi)
+            kept[key] = (request, own, request.py2f())
         except (NotImplementedError, MPI.Exception):  # an MPI before MPI-4 (or built without it)
             kept[key] = None
     return kept[key]

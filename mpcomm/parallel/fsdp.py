@@ -104,11 +104,11 @@ class FullyShardedDataParallel:
         copy it to the device to gather. With numpy parameters there is no device: it is a no-op
         (``self.cpu_offload_active`` is False).
     sync_module_states: broadcast rank 0's parameters before sharding (so every rank starts identical).
-    compression: None, ``"bf16"``, ``"fp16"``, ``"int8"`` or ``"auto"``: the gradient reduce-scatter sent
-        compressed, with error feedback (:mod:`mpcomm.parallel.fsdp_compression`: float32 numpy gradients,
-        full_shard / shard_grad_op; ``"powersgd:R"`` and the other strategies raise NotImplementedError, a bad name
-        ConfigError as in DDP). Error feedback keeps, on every rank, one float32 buffer the size of each unit's
-        unsharded gradient.
+    compression: None, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"powersgd:R"`` or ``"auto"``: the gradient reduction
+        sent compressed, with error feedback (:mod:`mpcomm.parallel.fsdp_compression`: numpy gradients, float32 for
+        the wires, float32/float64 for PowerSGD; full_shard / shard_grad_op; the other strategies raise
+        NotImplementedError, a bad name ConfigError as in DDP). Error feedback keeps, on every rank, one buffer the
+        size of each unit's unsharded gradient.
     compression_warmup_steps: exact backward passes before compression starts (default 10).
     error_feedback: carry each rank's compression error into its next step's gradient (default True).
     """
@@ -150,7 +150,8 @@ class FullyShardedDataParallel:
         self.groups = _make_groups(comm, self.strategy)
         self.tracker = MemoryTracker()
         self.units = [self._build_unit(plan, sync_module_states) for plan in plans]
-        self.compressor = None if spec is None else ShardedCompressor(spec, comm, self.units)
+        self.compressor = None if spec is None else ShardedCompressor(
+            spec, comm, self.units, {n: i for i, (n, _) in enumerate(named)})
         for u in self.units:
             u.compressor = self.compressor
         reshard = self.strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
@@ -335,7 +336,8 @@ class FullyShardedDataParallel:
         ``peak_param_bytes`` = sharded params + peak of gathered param buffers alive at once.
         ``peak_total_bytes`` = sharded params + sharded grads + optimizer state (as they are now)
         + the peak of gathered params and unsharded gradients alive at once during the last step.
-        ``compression_error_bytes``: the error feedback buffers kept between steps (compression), in neither.
+        ``compression_error_bytes``: the error feedback buffers kept between steps (compression), in neither;
+        ``compression_q_bytes``: PowerSGD's Q matrices kept between steps (the P and Q sent are transient).
         """
         sharded = sum(int(u.shard.data.nbytes) for u in self.units)
         grads = sum(int(u.shard.grad.nbytes) for u in self.units if u.shard.grad is not None)
@@ -359,6 +361,7 @@ class FullyShardedDataParallel:
             "largest_unit_bytes": max(u.layout.padded_numel * np.dtype(u.param_dtype).itemsize for u in self.units),
             "padding_elements": sum(u.layout.padding for u in self.units),
             "compression_error_bytes": 0 if self.compressor is None else self.compressor.error_bytes(),
+            "compression_q_bytes": 0 if self.compressor is None else self.compressor.q_bytes(),
         }
 
     def schedule_stats(self) -> dict[str, int]:

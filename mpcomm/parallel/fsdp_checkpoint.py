@@ -10,6 +10,7 @@ Sharded layout under ``path``::
     v000003/u0000.exp_avg.s00001.npy  (optimizer moments are flat and sharded like the parameter)
     v000003/u0000.error.r00001.npy  with compression: world rank 1's error feedback of unit 0 (unpadded, the
                                     unit's whole gradient), and ``metadata["compression"]`` its mode and step count
+    v000003/u0000.powersgd_q.npy    with PowerSGD: unit 0's Qs (the same on every rank), flat in layout order
 
 Every file is written to a temporary name in its own directory, fsync'ed and ``os.replace``d. A save
 writes a new version directory and only then swaps ``LATEST``, so a crash at any point before that swap
@@ -18,7 +19,8 @@ Loading at a different world size reads, for each new shard, the ranges of the o
 cover it (:func:`flat_param.reshard_plan`). Replicas (hybrid_shard, no_shard) hold identical shards, so only
 replica 0 writes. Compression errors (``fsdp_compression``) are per rank, not shards: at the same world size each
 rank loads its own (a resumed run continues bitwise), at another each loads the mean of the saved ranks' errors
-(what the average still owes); a checkpoint without them starts the engine's compression afresh (warm-up first).
+(what the average still owes) and PowerSGD's shared Qs as they are; a checkpoint without them starts the engine's
+compression afresh (warm-up first).
 
 Integrity: the byte count and CRC-32 of every shard file are recorded in ``metadata.json``, and those of
 ``metadata.json`` in ``LATEST``. A load verifies every file it reads in full before it changes anything, then the
@@ -47,6 +49,7 @@ from ..errors import MpcommError
 from ..nn import Optimizer
 from ..nn.backend import array_module, to_numpy
 from .flat_param import FlatLayout, reshard_plan
+from .fsdp_compression import pack_q, q_numel, unpack_q
 
 if TYPE_CHECKING:  # pragma: no cover
     from .fsdp import FullyShardedDataParallel
@@ -183,6 +186,11 @@ def _write_npy(path: str, array: np.ndarray) -> dict:
 
 def _shard_name(unit: int, key: str, index: int) -> str:
     return f"u{unit:04d}.{key}.s{index:05d}.npy"
+
+
+def _q_name(unit: int) -> str:
+    """The file of unit ``unit``'s PowerSGD Qs."""
+    return f"u{unit:04d}.powersgd_q.npy"
 
 
 def _error_name(unit: int, rank: int) -> str:
@@ -350,6 +358,9 @@ def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optim
             if compression is not None and u.name in compression["error"]:
                 name = _error_name(i, comm.rank)
                 files[name] = _write_npy(os.path.join(directory, name), compression["error"][u.name])
+            q = None if compression is None else pack_q(u, compression["powersgd_q"])
+            if q is not None and comm.rank == 0:
+                files[_q_name(i)] = _write_npy(os.path.join(directory, _q_name(i)), q)
         return units_meta, files
 
     compression = engine.compression_state_dict()
@@ -368,7 +379,9 @@ def save_sharded(engine: "FullyShardedDataParallel", path: str, optimizer: Optim
                 "files": dict(sorted(every_file.items()))}
         if compression is not None:  # (every rank holds errors of the same units: the choices are collective)
             meta["compression"] = {"mode": compression["mode"], "steps": compression["steps"],
-                                   "units": [i for i, u in enumerate(engine.units) if u.name in compression["error"]]}
+                                   "units": [i for i, u in enumerate(engine.units) if u.name in compression["error"]],
+                                   "q_units": [i for i, u in enumerate(engine.units)
+                                               if pack_q(u, compression["powersgd_q"]) is not None]}
         record = _write_json(os.path.join(directory, "metadata.json"), meta)
         _write_json(os.path.join(path, "LATEST"), {"version": os.path.basename(directory), "metadata": record})
         for name in os.listdir(path):  # older versions and leftovers of crashed saves (only our own names)
@@ -457,35 +470,41 @@ def _read_compression(engine, directory: str, meta: dict, files: dict | None) ->
     """This rank's compression state from the checkpoint (see the module docstring), or None without compression."""
     if engine.compressor is None:
         return None
-    mode = engine.compressor.spec.name
+    spec = engine.compressor.spec
     saved = meta.get("compression")
     if saved is None:
-        return {"mode": mode, "steps": 0, "error": {}}
+        return {"mode": spec.name, "steps": 0, "error": {}, "powersgd_q": {}}
     meta_file = os.path.join(directory, "metadata.json")
-    if saved["mode"] != mode:
-        raise CheckpointError(f"{meta_file}: saved with compression={saved['mode']!r}, this engine uses {mode!r}")
+    if saved["mode"] != spec.name:
+        raise CheckpointError(f"{meta_file}: saved with compression={saved['mode']!r}, this engine uses {spec.name!r}")
+
+    def read(name: str, shape: tuple, dtype: np.dtype, what: str) -> np.ndarray:
+        if files is not None and name not in files:
+            raise CheckpointError(f"{meta_file} is damaged: it records no checksum for {name}")
+        file = os.path.join(directory, name)
+        src = _parse_npy(file, _read_file(file, None if files is None else files[name], meta_file))
+        if src.shape != shape or src.dtype != dtype:
+            raise CheckpointError(f"{file} holds {src.shape} {src.dtype}, {what} is {shape} {dtype}")
+        return src
+
     old_world, world, rank = int(meta["world_size"]), engine.comm.size, engine.comm.rank
     error = {}
     for i in saved["units"]:
         u = engine.units[i]
-        ranks = [rank] if old_world == world else range(old_world)
+        shape, what = (u.layout.numel,), f"unit {u.name!r}'s error"
+        if old_world == world:
+            error[u.name] = read(_error_name(i, rank), shape, u.reduce_dtype, what)
+            continue
         total = np.zeros(u.layout.numel, dtype=np.float64)
-        for old_rank in ranks:
-            name = _error_name(i, old_rank)
-            if files is not None and name not in files:
-                raise CheckpointError(f"{meta_file} is damaged: it records no checksum for {name}")
-            file = os.path.join(directory, name)
-            src = _parse_npy(file, _read_file(file, None if files is None else files[name], meta_file))
-            if src.shape != (u.layout.numel,) or src.dtype != np.float32:
-                raise CheckpointError(f"{file} holds {src.shape} {src.dtype}, unit {u.name!r}'s error is "
-                                      f"({u.layout.numel},) float32")
-            if len(ranks) == 1:
-                error[u.name] = src
-                break
-            total += src
-        else:
-            error[u.name] = (total / old_world).astype(np.float32)
-    return {"mode": mode, "steps": int(saved["steps"]), "error": error}
+        for old_rank in range(old_world):
+            total += read(_error_name(i, old_rank), shape, u.reduce_dtype, what)
+        error[u.name] = (total / old_world).astype(u.reduce_dtype)
+    q: dict[str, np.ndarray] = {}
+    for i in saved.get("q_units", []):
+        u = engine.units[i]
+        shape, what = (q_numel(u, spec.rank),), f"unit {u.name!r}'s PowerSGD Q"
+        q.update(unpack_q(u, read(_q_name(i), shape, u.reduce_dtype, what), spec.rank))
+    return {"mode": spec.name, "steps": int(saved["steps"]), "error": error, "powersgd_q": q}
 
 
 

@@ -7,7 +7,7 @@ States: ``sharded`` (only the shard exists; the originals' ``.data`` are placeho
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -77,6 +77,7 @@ class _PendingReduce:
     out: Any
     nbytes: int
     span: Span | NoSpan = NO_SPAN  # its reduction, from start to finish_reduce, for the timeline
+    finish: Callable[[], None] | None = None  # completes ``out`` once ``work`` is done (PowerSGD's second half)
 
 
 @dataclass
@@ -184,10 +185,10 @@ class FlatUnit:
             nbytes += out.nbytes
             span = shard.span(f"fsdp reduce-scatter {self.name}", bytes=g.nbytes)
             if self.compressor is None:
-                work = shard.ireduce_scatter(g, out, op="avg")
+                work, finish = shard.ireduce_scatter(g, out, op="avg"), None
             else:
-                work = self.compressor.reduce_scatter(self.name, g, out)
-            self.pending.append(_PendingReduce(work, out, nbytes, span))
+                work, finish = self.compressor.reduce_scatter(self, g, out)
+            self.pending.append(_PendingReduce(work, out, nbytes, span, finish))
         elif self.groups.replicate is not None and self.groups.replicate.size > 1 and self.layout.shard_count == 1:
             span = self.groups.replicate.span(f"fsdp all-reduce {self.name}", bytes=g.nbytes)
             self.pending.append(_PendingReduce(self.groups.replicate.iallreduce(g, op="avg"), g, nbytes, span))
@@ -198,6 +199,8 @@ class FlatUnit:
         for item in self.pending:
             if item.work is not None:
                 item.work.wait()
+            if item.finish is not None:
+                item.finish()
             item.span.end()
             out = item.out
             replicate = self.groups.replicate

@@ -8,7 +8,8 @@ Modes (``DistributedDataParallel(compression=...)``, ``mpcomm-train --compressio
 * ``"powersgd:R"``: torch's ``powerSGD_hook`` (Vogels et al., 2019) at rank R: every gradient of >= 2 dims, seen as a
   matrix M (first dim x the rest), is sent as P = M Q (all-reduced, orthogonalized) and Q = M^T P (all-reduced,
   averaged); the rank's new gradient is P Q^T. Q is warm-started from the previous step. Vectors, and matrices
-  too small for rank R to save bytes (torch's ``min_compression_rate`` 2), are averaged exactly.
+  too small for rank R to save bytes (torch's ``min_compression_rate`` 2), are averaged exactly
+  (:mod:`mpcomm.parallel.powersgd`, shared with FSDP).
 * ``"auto"``: per bucket and step, the wire the communicator's cost model prices cheapest
   (:func:`mpcomm.compression.pays`), else exact; on one host that is always exact.
 
@@ -35,16 +36,16 @@ from ..compression import WIRES
 from ..errors import ConfigError
 from ..nn.backend import array_module, to_numpy
 from ..work import Work
+from .powersgd import matrix_dims, orthogonalize, reduce_powersgd
 
 if TYPE_CHECKING:  # pragma: no cover
     from .ddp import Bucket
 
 __all__ = ["CompressionSpec", "parse_compression", "GradCompressor", "merge_states", "DEFAULT_WARMUP_STEPS",
-           "WIRES", "cheapest_wire"]
+           "WIRES", "cheapest_wire", "feed_back", "orthogonalize"]
 
 AUTO_WIRES = ("bf16", "int8")  # fp16 is left out: gradients past 65504 would become inf
 DEFAULT_WARMUP_STEPS = 10  # exact steps first: early gradients are large and change fast (torch's hook: 1000)
-MIN_COMPRESSION_RATE = 2.0  # torch's PowerSGDState default: compress a matrix only if it halves its bytes
 _POWERSGD = re.compile(r"powersgd:(\d+)")
 _CHOICES = "None, 'bf16', 'fp16', 'int8', 'powersgd:RANK' (RANK >= 1) or 'auto'"
 
@@ -129,22 +130,10 @@ class GradCompressor:
 
     # -- error feedback --------------------------------------------------------------------------
     def _feedback(self, bucket: "Bucket") -> Callable[[], None]:
-        """Add last step's error to the bucket's gradients (in place); returns what keeps this step's error once the
-        bucket holds the reduced result: what this rank sent minus what came back."""
+        """Add last step's error to the bucket's gradients; returns what keeps this step's error (:func:`feed_back`)."""
         if not self.spec.error_feedback:
             return _nothing
-        grads = bucket.buffer[: bucket.numel]
-        error = self.errors.get(bucket.index)
-        if error is None:
-            error = self.errors[bucket.index] = grads.copy()
-        else:
-            error += grads  # the error's buffer holds what is sent until the result is back: no allocation per step
-            grads[...] = error
-
-        def keep() -> None:
-            error[...] -= grads
-
-        return keep
+        return feed_back(self.errors, bucket.index, bucket.buffer[: bucket.numel])
 
     def _flush_error(self, bucket: "Bucket") -> None:
         """An exact step sends any error left over (auto switched off): nothing remains to carry."""
@@ -165,68 +154,17 @@ class GradCompressor:
 
         return work, finish
 
-    # -- PowerSGD ----------------------------------------------------------------------------------
+    # -- PowerSGD (mpcomm.parallel.powersgd) --------------------------------------------------------
     def _matrix(self, i: int) -> tuple[int, int, int] | None:
-        """(n, m, r) of parameter ``i``'s gradient as a matrix if rank r compresses it, else None."""
-        shape = self.shapes[i]
-        if len(shape) < 2:
-            return None
-        n, m = shape[0], int(np.prod(shape[1:]))
-        r = min(n, m, self.spec.rank)
-        return (n, m, r) if n * m > (n + m) * r * MIN_COMPRESSION_RATE else None
-
-    def _initial_q(self, i: int, m: int, r: int, dtype: Any, xp: Any) -> Any:
-        """The same random orthonormal Q on every rank (seeded by the parameter's index)."""
-        q = np.random.default_rng([29, i]).standard_normal((m, r))
-        return xp.asarray(orthogonalize(q).astype(dtype))
+        return matrix_dims(self.shapes[i], self.spec.rank)
 
     def _launch_powersgd(self, bucket: "Bucket") -> Launch:
-        xp, dtype, size = array_module(bucket.buffer), bucket.dtype, self.comm.size
         keep_error = self._feedback(bucket)
-        matrices, exact = [], []
-        for i in bucket.members:
-            dims = self._matrix(i)
-            if dims is None:
-                exact.append(bucket.views[i].reshape(-1))
-            else:
-                n, m, r = dims
-                if i not in self.q:
-                    self.q[i] = self._initial_q(i, m, r, dtype, xp)
-                matrices.append((i, bucket.views[i].reshape(n, m), r))
-        exact.append(bucket.tail)
-        n_exact = sum(int(v.size) for v in exact)
-        p_sizes = [mat.shape[0] * r for _, mat, r in matrices]
-        first = xp.empty(n_exact + sum(p_sizes), dtype=dtype)  # [exact gradients, tail | P of every matrix]
-        if exact:
-            xp.concatenate(exact, out=first[:n_exact])
-        ps, offset = [], n_exact
-        for (i, mat, r), k in zip(matrices, p_sizes):
-            p = first[offset: offset + k].reshape(mat.shape[0], r)
-            xp.matmul(mat, self.q[i], out=p)
-            ps.append(p)
-            offset += k
-        work = self.comm.iallreduce(first, op="sum")
+        work, reduced = reduce_powersgd(self.comm, [(i, i, bucket.views[i]) for i in bucket.members],
+                                        self.spec.rank, self.q, extra=[bucket.tail])
 
         def finish() -> None:
-            exact_avg = first[:n_exact] / size
-            at = 0
-            for v in exact:
-                v[...] = exact_avg[at: at + v.size]
-                at += v.size
-            qs = xp.empty(sum(mat.shape[1] * r for _, mat, r in matrices), dtype=dtype)
-            q_views, at = [], 0
-            for (i, mat, r), p in zip(matrices, ps):
-                p[...] = orthogonalize(p)
-                q = qs[at: at + mat.shape[1] * r].reshape(mat.shape[1], r)
-                xp.matmul(mat.T, p, out=q)
-                q_views.append(q)
-                at += q.size
-            if qs.size:
-                self.comm.allreduce(qs, op="sum")
-                qs /= size
-            for (i, mat, _), p, q in zip(matrices, ps, q_views):
-                xp.matmul(p, q.T, out=mat)
-                self.q[i] = q.copy()
+            reduced()
             keep_error()
 
         return work, finish
@@ -299,16 +237,24 @@ def merge_states(states: Sequence[dict]) -> dict:
             "powersgd_q": dict(first["powersgd_q"])}
 
 
+def feed_back(errors: dict, key: Any, grads: Any) -> Callable[[], None]:
+    """Add the error kept under ``key`` to ``grads`` (in place); returns what keeps, once ``grads`` holds the reduced
+    result, the new error: what was sent minus what came back (torch's PowerSGD rule)."""
+    error = errors.get(key)
+    if error is None:
+        error = errors[key] = grads.copy()
+    else:
+        error += grads  # the error's buffer holds what is sent until the result is back: no allocation per step
+        grads[...] = error
+
+    def keep() -> None:
+        error[...] -= grads
+
+    return keep
+
+
 def _nothing() -> None:
     """No error to keep."""
-
-
-def orthogonalize(p: Any) -> Any:
-    """Orthonormal columns spanning ``p``'s (Householder QR, signs fixed so the diagonal of R is >= 0)."""
-    xp = array_module(p)
-    q, r = xp.linalg.qr(p)
-    signs = xp.where(xp.diag(r) < 0, -1, 1).astype(p.dtype)
-    return q * signs
 
 
 def cheapest_wire(comm: Communicator, numel: int) -> str | None:

@@ -26,6 +26,8 @@ import warnings
 
 from mpi4py import MPI
 
+from ...mpi_library import loaded_path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "native_allreduce.cpp")
 NAME = "mpcomm_native_allreduce"
@@ -51,7 +53,7 @@ def load():
 
 def build():
     """Compile (or take torch's cached build of) the all-reduce extension; raises with the reason when it cannot."""
-    library = mpi_library()
+    library = loaded_path()
     include = os.path.join(os.path.dirname(os.path.dirname(library)), "include")
     if not os.path.isfile(os.path.join(include, "mpi.h")):
         raise FileNotFoundError(f"no mpi.h in {include} (beside the MPI library mpi4py loaded, {library})")
@@ -123,16 +125,6 @@ def _clear_stale_lock(directory: str | None, older_than: float = STALE_LOCK_SECO
             os.remove(lock)
         except FileNotFoundError:  # another rank removed it first
             pass
-
-
-def mpi_library() -> str:
-    """The path of the MPI library mpi4py loaded into this process (from /proc/self/maps)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1]
-            if os.path.basename(path).startswith(("libmpi.so", "libmpich.so")):
-                return path
-    raise FileNotFoundError("no libmpi.so / libmpich.so among this process's libraries (is mpi4py's MPI loaded?)")
 
 
 def _first_line(exc: Exception) -> str:

@@ -1,0 +1,208 @@
+/* native's small all-reduce straight into the MPI library (built on first use by mpcomm/native_calls.py against the
+ * MPI library mpi4py loaded, imported as mpcomm._native_calls).
+ *
+ * A small all-reduce costs little more than its Python calls: mpi4py's request, its Tests, the copies in and out of
+ * a persistent request's buffer and the NaN pass are each a call. Here they are one. The deadline stays Python's: a
+ * request not done after `tests` MPI_Test calls goes back to the transport's wait (deadline, yields, point-to-point
+ * progress), as every collective's does.
+ *
+ * The buffer's format (the buffer protocol's) gives the MPI datatype; floats (and complex parts) that hold a NaN
+ * after the reduction get numpy's NaN, so every rank holds the same bits (algorithms/native.py says why).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <mpi.h>
+#include <math.h>
+#include <string.h>
+
+enum { NOT_FLOAT = 0, FLOAT32 = 1, FLOAT64 = 2 };
+
+/* The MPI datatype of one element of `view`, and whether (and how) its values are floats; MPI_DATATYPE_NULL for a
+ * format this does not take (the caller takes the general path). */
+static MPI_Datatype datatype_of(const Py_buffer *view, int *floats, Py_ssize_t *parts) {
+    const char *format = view->format ? view->format : "B";
+    if (*format == '<' || *format == '=' || *format == '@') format++;
+    *floats = NOT_FLOAT;
+    *parts = 1;
+    if (format[0] == 'Z' && format[1] == 'f' && !format[2]) { *floats = FLOAT32; *parts = 2; return MPI_C_FLOAT_COMPLEX; }
+    if (format[0] == 'Z' && format[1] == 'd' && !format[2]) { *floats = FLOAT64; *parts = 2; return MPI_C_DOUBLE_COMPLEX; }
+    if (format[1]) return MPI_DATATYPE_NULL;
+    switch (format[0]) {
+        case 'f': *floats = FLOAT32; return MPI_FLOAT;
+        case 'd': *floats = FLOAT64; return MPI_DOUBLE;
+        case 'b': return MPI_INT8_T;
+        case 'B': return MPI_UINT8_T;
+        case 'h': return MPI_INT16_T;
+        case 'H': return MPI_UINT16_T;
+        case 'i': return MPI_INT32_T;
+        case 'I': return MPI_UINT32_T;
+        case 'l': case 'q': return view->itemsize == 8 ? MPI_INT64_T : MPI_DATATYPE_NULL;
+        case 'L': case 'Q': return view->itemsize == 8 ? MPI_UINT64_T : MPI_DATATYPE_NULL;
+        default: return MPI_DATATYPE_NULL;
+    }
+}
+
+static void canonical_nans(void *data, Py_ssize_t count, int floats) {
+    if (floats == FLOAT32) {
+        float *values = data;
+        for (Py_ssize_t i = 0; i < count; i++)
+            if (isnan(values[i])) values[i] = NAN;
+    } else if (floats == FLOAT64) {
+        double *values = data;
+        for (Py_ssize_t i = 0; i < count; i++)
+            if (isnan(values[i])) values[i] = (double)NAN;
+    }
+}
+
+static PyObject *mpi_exception; /* mpi4py's MPI.Exception (configure()), raised with an MPI error code */
+
+static PyObject *failed(int code) {
+    PyObject *value = PyLong_FromLong(code);
+    if (value) {
+        PyErr_SetObject(mpi_exception ? mpi_exception : PyExc_RuntimeError, value);
+        Py_DECREF(value);
+    }
+    return NULL;
+}
+
+/* The arguments both calls share: (handle, buffer, ..., nan_check, tests) with five in all, `usage` naming them;
+ * 0, with an exception set, where they are not that. */
+static int shared_arguments(PyObject *const *args, Py_ssize_t nargs, const char *usage, long *handle,
+                            int *nan_check, long *tests) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return 0;
+    }
+    *handle = PyLong_AsLong(args[0]);
+    *tests = PyLong_AsLong(args[4]);
+    *nan_check = PyObject_IsTrue(args[3]);
+    return !PyErr_Occurred();
+}
+
+static int done_after(MPI_Request *request, long tests, int *code) {
+    int done = 0;
+    for (long i = 0; i < tests && !done; i++)
+        if ((*code = MPI_Test(request, &done, MPI_STATUS_IGNORE)) != MPI_SUCCESS) return 0;
+    return done;
+}
+
+/* allreduce(comm, buf, op, nan_check, tests): MPI_Iallreduce in place on the writable contiguous `buf` over the
+ * communicator and op of these Fortran handles. None once done (NaNs canonical where nan_check); else the request's
+ * Fortran handle, for the caller to wait on (then to make the NaNs canonical itself); NotImplemented, with nothing
+ * sent, for a buffer whose format has no MPI datatype here. */
+static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long comm, op, tests;
+    int nan_check;
+    if (!shared_arguments(args, nargs, "allreduce(comm, buf, op, nan_check, tests)", &comm, &nan_check, &tests))
+        return NULL;
+    if ((op = PyLong_AsLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    int floats, code = MPI_SUCCESS;
+    Py_ssize_t parts;
+    MPI_Datatype type = datatype_of(&view, &floats, &parts);
+    Py_ssize_t count = view.itemsize ? view.len / view.itemsize : 0;
+    PyObject *result = NULL;
+    MPI_Request request;
+    if (type == MPI_DATATYPE_NULL || count > 0x7fffffff) {
+        result = Py_NewRef(Py_NotImplemented);
+    } else if ((code = MPI_Iallreduce(MPI_IN_PLACE, view.buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op),
+                                      MPI_Comm_f2c((MPI_Fint)comm), &request)) != MPI_SUCCESS) {
+        failed(code);
+    } else if (done_after(&request, tests, &code)) {
+        if (nan_check) canonical_nans(view.buf, count * parts, floats);
+        result = Py_NewRef(Py_None);
+    } else if (code != MPI_SUCCESS) {
+        failed(code);
+    } else {
+        result = PyLong_FromLong((long)MPI_Request_c2f(request));
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* start(request, own, buf, nan_check, tests): a persistent all-reduce (the Fortran handle of one made in place over
+ * `own`) started on `buf`'s values: copied into own, started, tested. True once done, the result copied back into
+ * `buf` (NaNs canonical where nan_check); False while it runs (the caller waits and copies); NotImplemented, with
+ * nothing started, for a format this does not take. */
+static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long handle, tests;
+    int nan_check;
+    if (!shared_arguments(args, nargs, "start(request, own, buf, nan_check, tests)", &handle, &nan_check, &tests))
+        return NULL;
+    Py_buffer own, buf;
+    if (PyObject_GetBuffer(args[1], &own, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    if (PyObject_GetBuffer(args[2], &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+        PyBuffer_Release(&own);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int floats, code;
+    Py_ssize_t parts;
+    if (datatype_of(&own, &floats, &parts) == MPI_DATATYPE_NULL) {
+        result = Py_NewRef(Py_NotImplemented);
+    } else if (own.len != buf.len) {
+        PyErr_Format(PyExc_ValueError, "start: the request's buffer has %zd bytes, the call's %zd", own.len, buf.len);
+    } else {
+        memcpy(own.buf, buf.buf, (size_t)buf.len);
+        MPI_Request request = MPI_Request_f2c((MPI_Fint)handle);
+        if ((code = MPI_Start(&request)) != MPI_SUCCESS) {
+            failed(code);
+        } else if (done_after(&request, tests, &code)) {
+            memcpy(buf.buf, own.buf, (size_t)buf.len);
+            if (nan_check) canonical_nans(buf.buf, own.len / own.itemsize * parts, floats);
+            result = Py_NewRef(Py_True);
+        } else {
+            result = code == MPI_SUCCESS ? Py_NewRef(Py_False) : failed(code);
+        }
+    }
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&own);
+    return result;
+}
+
+/* canonical_nans(buf): numpy's NaN wherever `buf` (float32/float64, real or complex) holds a NaN. */
+static PyObject *canonical_nans_call(PyObject *self, PyObject *arg) {
+    (void)self;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    int floats;
+    Py_ssize_t parts;
+    datatype_of(&view, &floats, &parts);
+    if (view.itemsize) canonical_nans(view.buf, view.len / view.itemsize * parts, floats);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyObject *configure(PyObject *self, PyObject *exception) {
+    (void)self;
+    Py_XDECREF(mpi_exception);
+    mpi_exception = Py_NewRef(exception);
+    Py_RETURN_NONE;
+}
+
+static PyObject *library_version(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    char version[MPI_MAX_LIBRARY_VERSION_STRING];
+    int length = 0;
+    MPI_Get_library_version(version, &length);
+    return PyUnicode_FromStringAndSize(version, length);
+}
+
+static PyMethodDef methods[] = {
+    {"allreduce", (PyCFunction)(void (*)(void))allreduce, METH_FASTCALL,
+     "allreduce(comm, buf, op, nan_check, tests) -> None (done) | request handle | NotImplemented"},
+    {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL,
+     "start(request, own, buf, nan_check, tests) -> True (done, copied back) | False | NotImplemented"},
+    {"canonical_nans", canonical_nans_call, METH_O, "canonical_nans(buf): numpy's NaN wherever buf holds one"},
+    {"configure", configure, METH_O, "configure(exception_type): what an MPI error code is raised as"},
+    {"library_version", library_version, METH_NOARGS, "the MPI library this was built against"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_calls", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__native_calls(void) { return PyModule_Create(&module); }
