@@ -7,9 +7,9 @@ each step of a key mapping is a pass over the data. ``kernels.c`` does each in o
 use with the C compiler (``CC``, else Python's, else ``cc``) for this CPU into ``<sys.prefix>/mpcomm-kernels``
 (or ``~/.cache/mpcomm`` if that is not writable), named by a hash of its source, flags and CPU, and loaded with
 ctypes. Where Python's headers are installed the same library is also imported as an extension module, whose
-key passes and avg's finishing passes skip ctypes' per-call cost (most of a small min/max's or avg's extra time). Without a compiler, or with
-``MPCOMM_KERNELS=0``, the numpy forms below run instead: the same results, bit for bit, slower (a failed build
-warns once, naming why).
+key passes and avg's finishing passes skip ctypes' per-call cost (most of a small min/max's or avg's extra time).
+Without a compiler, or with ``MPCOMM_KERNELS=0``, the numpy forms below run instead: the same results, bit for bit,
+slower (a failed build warns once, naming why).
 
     python -c "from mpcomm import kernels; print(kernels.build())"     # build now (raises, saying why, if it cannot)
 """
@@ -127,7 +127,8 @@ def build(source: str | None = None, directory: str | None = None, flags: Sequen
         f.write(text)
     built = scratch[:-2] + ".so"
     try:
-        done = subprocess.run([*compiler, *options, "-o", built, scratch, *flags], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([*compiler, *options, "-o", built, scratch, *flags], capture_output=True, text=True,
+                              timeout=120)
         if done.returncode:
             raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()}")
         os.replace(built, path)  # atomic: ranks building at once each rename a complete library

@@ -25,8 +25,11 @@ static MPI_Datatype datatype_of(const Py_buffer *view, int *floats, Py_ssize_t *
     if (*format == '<' || *format == '=' || *format == '@') format++;
     *floats = NOT_FLOAT;
     *parts = 1;
-    if (format[0] == 'Z' && format[1] == 'f' && !format[2]) { *floats = FLOAT32; *parts = 2; return MPI_C_FLOAT_COMPLEX; }
-    if (format[0] == 'Z' && format[1] == 'd' && !format[2]) { *floats = FLOAT64; *parts = 2; return MPI_C_DOUBLE_COMPLEX; }
+    if (format[0] == 'Z' && (format[1] == 'f' || format[1] == 'd') && !format[2]) { /* complex: two floats each */
+        *parts = 2;
+        *floats = format[1] == 'f' ? FLOAT32 : FLOAT64;
+        return format[1] == 'f' ? MPI_C_FLOAT_COMPLEX : MPI_C_DOUBLE_COMPLEX;
+    }
     if (format[1]) return MPI_DATATYPE_NULL;
     switch (format[0]) {
         case 'f': *floats = FLOAT32; return MPI_FLOAT;

@@ -123,7 +123,7 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False
             persistent = t.persistent_requests.get((buf.size, buf.dtype, op.name)) or _persistent_allreduce(t, buf, op)
             if persistent is not None:
                 return _start(t, buf, persistent, calls, canonical)
-        elif meets_then_blocks(t, profile, nbytes):
+        if meets_then_blocks(t, profile, nbytes):
             _meet(t, buf, op)
             t.mpi.Allreduce(MPI.IN_PLACE, buf, op.mpi)
             return False
@@ -167,9 +167,10 @@ def _wait(t: Transport, request) -> None:
 
 
 def _persistent_allreduce(t: Transport, buf, op: ReduceOp):
-    """The (request, buffer, the request's Fortran handle) of this transport's persistent all-reduce of ``buf``'s count, dtype and op, made on
-    first use; None where the library has none (every rank alike: it is the same library). Made in the order of
-    the calls, the same on every rank; past ``_PERSISTENT_KEPT`` kinds all are freed (the same on every rank)."""
+    """The (request, its buffer, its Fortran handle) of this transport's persistent all-reduce of ``buf``'s count,
+    dtype and op, made on first use; None where the library has none (every rank alike: it is the same library).
+    Made in the order of the calls, the same on every rank; past ``_PERSISTENT_KEPT`` kinds all are freed (the same
+    on every rank)."""
     kept = t.persistent_requests
     key = (buf.size, buf.dtype, op.name)
     if key not in kept:
