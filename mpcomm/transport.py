@@ -83,6 +83,8 @@ class Transport:
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
         # The MPI library's persistent collectives made on this communicator, with their buffers (algorithms/native)
         self.persistent_requests: dict = {}
+        # mpcomm's reductions as MPI ops (native_calls), once every rank has agreed it has them: None until asked
+        self.reduction_ops: dict | None = None
         self.cores_shared = False  # set on every rank alike (the communicator's topology is agreed)
 
     def share_cores(self) -> None:

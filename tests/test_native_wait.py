@@ -38,11 +38,14 @@ def way(request, monkeypatch) -> str:
 
 
 @pytest.fixture(params=["C", "mpi4py"])
-def calls(request, monkeypatch) -> str:
-    """native's small all-reduce through native_calls' one C call, or through mpi4py's calls (where it is not
-    built): the same on every rank."""
+def calls(request, monkeypatch, comm) -> str:
+    """native through native_calls (its small all-reduce in one C call, float sums and min/max with mpcomm's own MPI
+    ops), or as where it is not built: mpi4py's calls, MPI's ops, NaN passes and min/max keys (the same on every
+    rank)."""
     if request.param == "mpi4py":
         monkeypatch.setattr(native, "load_calls", lambda: None)
+        monkeypatch.setattr(native, "reduction_ops", dict)
+        monkeypatch.setattr(comm._sync, "reduction_ops", None)  # (agreed again, without them)
     return request.param
 
 
@@ -129,6 +132,45 @@ def test_ranks_that_disagree_on_the_count_are_told_on_every_rank(monkeypatch):
         assert message is not None, f"rank {rank} did not raise CollectiveMismatchError"
         assert "different counts" in message and f"rank {rank}" in message, message
     assert (after == P).all()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
+def test_float_min_max_and_sums_make_no_passes_of_their_own_with_mpcomms_ops(comm, monkeypatch, dtype):
+    """With native_calls built, min/max reduce the floats themselves (no key passes) and a float sum up to the
+    library's sum_op_upto gets numpy's NaNs from the op (no NaN pass after it): right, and alike on every rank."""
+    def refused(*_):
+        raise AssertionError("a pass that mpcomm's own MPI ops make needless")
+
+    for name in ("to_keys", "from_keys", "_canonical_nans", "finish_floats"):
+        monkeypatch.setattr(native, name, refused)
+    for op in ("min", "max", "sum"):
+        def run():
+            x = special_values(dtype, comm.rank, n=257)
+            return x, comm.allreduce(x.copy(), op=op, algorithm="native")
+
+        everyone = run_gathered(run)
+        assert_bitwise_equal([b for _, b in everyone], f"allreduce[native] {op}")
+        np.testing.assert_array_equal(everyone[0][1], numpy_reduce([x for x, _ in everyone], op).astype(dtype))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_without_mpcomms_ops_makes_every_rank_do_without(monkeypatch):
+    """Which MPI op reduces must be the same on every rank: one rank that cannot make mpcomm's (native_calls not
+    built there) has every rank reduce min/max by keys, with the same answer."""
+    if WORLD.Get_rank() == 0:
+        monkeypatch.setattr(native, "reduction_ops", dict)
+    comm = Communicator(WORLD)
+    try:
+        def run():
+            x = special_values(np.float32, comm.rank)
+            return x, comm.allreduce(x.copy(), op="max", algorithm="native"), comm._sync.reduction_ops
+        everyone = run_gathered(run)
+    finally:
+        comm.free()
+    assert [agreed for _, _, agreed in everyone] == [{}] * P
+    assert_bitwise_equal([b for _, b, _ in everyone], "allreduce[native] max")
+    np.testing.assert_array_equal(everyone[0][1], numpy_reduce([x for x, _, _ in everyone], "max"))
 
 
 def test_persistent_requests_are_kept_per_kind_and_freed(monkeypatch):

@@ -4,11 +4,12 @@ Two things the MPI library does not promise are restored here, so that ``native`
 mpcomm's own algorithms:
 
 * min/max of floats: MPI's MIN/MAX do not propagate NaN, and which of -0.0/+0.0 they return depends on the
-  operand order, which differs between ranks. The floats are reduced as integer keys that sort like the
-  floats (NaN mapped to the extreme that wins; ``mpcomm.kernels``, one pass each way), which gives numpy's NaN
-  propagation and one answer everywhere.
+  operand order, which differs between ranks. They are reduced with mpcomm's own min/max as MPI ops
+  (``mpcomm.native_calls``: NaN wins, -0.0 below +0.0), or where those are missing as integer keys that sort like
+  the floats (NaN mapped to the extreme that wins; ``mpcomm.kernels``, one pass each way).
 * sums and products of floats with NaN: the NaN's sign and payload depend on the operand order, which differs
-  between ranks in the library's recursive doubling; an all-reduce that produced NaN writes numpy's NaN.
+  between ranks in the library's recursive doubling; an all-reduce that produced NaN writes numpy's NaN (sums:
+  inside the library's reduction with mpcomm's sum op, up to the size ``mpcomm.mpi_library`` says it pays).
 """
 from __future__ import annotations
 
@@ -17,29 +18,33 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from ..buffers import MAX, MIN, ReduceOp
+from ..buffers import AVG, MAX, MIN, SUM, ReduceOp
 from ..errors import CollectiveMismatchError
 from ..kernels import KEY_DTYPES, finish_floats, from_keys, to_keys
 from ..mpi_library import Library, library
 from ..native_calls import load as load_calls
+from ..native_calls import reduction_ops
 from ..transport import Transport
 
 _MIN_MAX = (MIN, MAX)
 _SMALL = 16  # up to this many elements a NaN is looked for by a sum in Python (see _has_nan)
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
+# What native reduces with mpcomm's own ops (avg: its sum; not of complex, whose division makes NaNs of its own)
+_OP_DTYPES = {MIN: tuple(KEY_DTYPES), MAX: tuple(KEY_DTYPES), SUM: (*KEY_DTYPES, *_REAL), AVG: tuple(KEY_DTYPES)}
 _PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) one transport keeps at most
 _ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-reduce, holding the GIL throughout
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
     dtype = buf.dtype
-    if op.name in _MIN_MAX and dtype in KEY_DTYPES:
+    own_op = _own_op(t, buf, op)
+    if op.name in _MIN_MAX and dtype in KEY_DTYPES and own_op is None:
         keys = to_keys(buf, op.name)
         _allreduce_in_place(t, keys, op)
         from_keys(keys)
         return
-    nans_matter = dtype.kind in "fc" and t.size > 1
-    if _allreduce_in_place(t, buf, op, canonical=nans_matter and op.divisor == 1) or (
+    nans_matter = dtype.kind in "fc" and t.size > 1 and own_op is None
+    if _allreduce_in_place(t, buf, op, canonical=nans_matter and op.divisor == 1, mpi_op=own_op) or (
             op.divisor == 1 and not nans_matter):
         return
     found = finish_floats(buf, op.divisor)  # (float32/float64: both in one pass)
@@ -59,25 +64,25 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
 
 def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
     """``recvbuf`` on ``root`` <- the reduction (``recvbuf`` may be None elsewhere)."""
-    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES:
+    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES and _own_op(t, sendbuf, op) is None:
         keys = to_keys(_copy(t, sendbuf), op.name)
         result = recvbuf.view(keys.dtype) if t.rank == root else None
         t.wait_one(t.mpi.Ireduce(keys, result, op.mpi, root))
         if t.rank == root:
             from_keys(result)
         return
-    t.wait_one(t.mpi.Ireduce(sendbuf, recvbuf if t.rank == root else None, op.mpi, root))
+    t.wait_one(t.mpi.Ireduce(sendbuf, recvbuf if t.rank == root else None, _min_max_op(t, sendbuf, op), root))
     if t.rank == root:
         op.finish(recvbuf)
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
-    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES:
+    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES and _own_op(t, sendbuf, op) is None:
         keys = to_keys(_copy(t, sendbuf), op.name)
         t.wait_one(t.mpi.Ireduce_scatter_block(keys, recvbuf.view(keys.dtype), op.mpi))
         from_keys(recvbuf.view(keys.dtype))
         return
-    t.wait_one(t.mpi.Ireduce_scatter_block(sendbuf, recvbuf, op.mpi))
+    t.wait_one(t.mpi.Ireduce_scatter_block(sendbuf, recvbuf, _min_max_op(t, sendbuf, op)))
     op.finish(recvbuf)
 
 
@@ -112,30 +117,57 @@ def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False) -> bool:
-    """``buf`` <- the library's all-reduce of ``buf``, waited for within the deadline the way that is cheapest on
-    this MPI library for its size (``mpcomm.mpi_library``); True if its NaNs were also made canonical (asked for
-    with ``canonical``, and done in ``native_calls``' one C call)."""
+def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False, mpi_op=None) -> bool:
+    """``buf`` <- the library's all-reduce of ``buf`` with ``mpi_op`` (default ``op``'s), waited for within the
+    deadline the way that is cheapest on this MPI library for its size (``mpcomm.mpi_library``); True if its NaNs
+    were also made canonical (asked for with ``canonical``, and done in ``native_calls``' one C call)."""
+    mpi_op = op.mpi if mpi_op is None else mpi_op
     if type(buf) is np.ndarray and t.size > 1:
         nbytes, profile = buf.nbytes, library()
         calls = load_calls() if nbytes <= _ONE_CALL_UPTO else None
         if nbytes <= profile.persistent_upto:
-            persistent = t.persistent_requests.get((buf.size, buf.dtype, op.name)) or _persistent_allreduce(t, buf, op)
+            key = (buf.size, buf.dtype, op.name, mpi_op is op.mpi)
+            persistent = t.persistent_requests.get(key) or _persistent_allreduce(t, buf, mpi_op, key)
             if persistent is not None:
                 return _start(t, buf, persistent, calls, canonical)
         if meets_then_blocks(t, profile, nbytes):
             _meet(t, buf, op)
-            t.mpi.Allreduce(MPI.IN_PLACE, buf, op.mpi)
+            t.mpi.Allreduce(MPI.IN_PLACE, buf, mpi_op)
             return False
         if calls is not None:
-            request = calls.allreduce(t.fortran, buf, op.mpi.py2f(), canonical, t.quick_tests)
+            request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), canonical, t.quick_tests)
             if request is None:
                 return canonical
             if request is not NotImplemented:
                 t.wait_one(MPI.Request.f2py(request))
                 return False
-    _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, op.mpi))
+    _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, mpi_op))
     return False
+
+
+def _own_op(t: Transport, buf, op: ReduceOp):
+    """mpcomm's own ``op`` as an MPI op (``native_calls.reduction_ops``) where native uses it for ``buf`` on ``t``,
+    else None: min/max of float32/float64 and, up to the library's ``sum_op_upto``, float sums (real or complex)
+    and avgs (real), host buffers, two ranks or more, and every rank of ``t`` able to make it (agreed once per transport,
+    by every rank at its first call that would use it)."""
+    if type(buf) is not np.ndarray or t.size == 1 or buf.dtype not in _OP_DTYPES.get(op.name, ()):
+        return None
+    name = SUM if op.name == AVG else op.name
+    if name == SUM:
+        upto = library().sum_op_upto
+        if upto is not None and buf.nbytes > upto:
+            return None
+    if t.reduction_ops is None:
+        ops = reduction_ops()
+        everyone = np.array([len(ops)], np.int64)
+        _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, everyone, MPI.MIN))
+        t.reduction_ops = ops if everyone[0] else {}
+    return t.reduction_ops.get(name)
+
+
+def _min_max_op(t: Transport, buf, op: ReduceOp):
+    """The MPI op that reduces ``buf`` by ``op``: mpcomm's own for float min/max where :func:`_own_op` gives it."""
+    return (op.name in _MIN_MAX and _own_op(t, buf, op)) or op.mpi
 
 
 def meets_then_blocks(t: Transport, profile: Library, nbytes: int) -> bool:
@@ -166,19 +198,18 @@ def _wait(t: Transport, request) -> None:
         t.wait_one(request)
 
 
-def _persistent_allreduce(t: Transport, buf, op: ReduceOp):
+def _persistent_allreduce(t: Transport, buf, mpi_op, key: tuple):
     """The (request, its buffer, its Fortran handle) of this transport's persistent all-reduce of ``buf``'s count,
-    dtype and op, made on first use; None where the library has none (every rank alike: it is the same library).
-    Made in the order of the calls, the same on every rank; past ``_PERSISTENT_KEPT`` kinds all are freed (the same
-    on every rank)."""
+    dtype and op (``key``), made on first use; None where the library has none (every rank alike: it is the same
+    library). Made in the order of the calls, the same on every rank; past ``_PERSISTENT_KEPT`` kinds all are freed
+    (the same on every rank)."""
     kept = t.persistent_requests
-    key = (buf.size, buf.dtype, op.name)
     if key not in kept:
         if len(kept) >= _PERSISTENT_KEPT:
             t.free_persistent_requests()
         own = np.empty_like(buf)
         try:
-            request = t.mpi.Allreduce_init(MPI.IN_PLACE, own, op.mpi)
+            request = t.mpi.Allreduce_init(MPI.IN_PLACE, own, mpi_op)
             kept[key] = (request, own, request.py2f())
         except (NotImplementedError, MPI.Exception):  # an MPI before MPI-4 (or built without it)
             kept[key] = None
