@@ -70,20 +70,22 @@ static PyObject *failed(int code) {
 }
 
 /* ---- The reductions of floats that MPI's own ops do not do as mpcomm's contract asks, as MPI ops: the library
- * applies them inside its own algorithm, so no pass of mpcomm's own over the result (the NaN check after a sum) or
- * the input and result (min/max's keys) is left. Each writes numpy's NaN wherever the result is a NaN: the NaN's
- * sign and payload would otherwise depend on the operand order, which differs between ranks. min/max order the
- * floats as mpcomm.kernels' keys do (-0.0 below +0.0, a NaN wins). The caller gives them float32/float64 (sum:
- * complex64/complex128 too) only. (MPI's convention: inout[i] = in[i] op inout[i].) */
-#define SUM_OP(name, T, canonical)                                                                               \
+ * applies them inside its own algorithm, so no pass of mpcomm's own is left over the result (the NaN check after a
+ * sum or product) or over the input and the result (min/max's keys). Each writes numpy's NaN wherever the result is
+ * a NaN: the NaN's sign and payload would otherwise depend on the operand order, which differs between ranks.
+ * min/max order the floats as mpcomm.kernels' keys do (-0.0 below +0.0, a NaN wins). The caller gives them
+ * float32/float64 only (sum: complex64/complex128 too). (MPI's convention: inout[i] = in[i] op inout[i].) */
+#define ARITHMETIC_OP(name, T, canonical, symbol)                                                               \
     static void name(const T *in, T *inout, Py_ssize_t n) {                                                      \
         for (Py_ssize_t i = 0; i < n; i++) {                                                                     \
-            T r = in[i] + inout[i];                                                                              \
+            T r = in[i] symbol inout[i];                                                                         \
             inout[i] = r == r ? r : canonical;                                                                   \
         }                                                                                                        \
     }
-SUM_OP(sum32, float, NAN)
-SUM_OP(sum64, double, (double)NAN)
+ARITHMETIC_OP(sum32, float, NAN, +)
+ARITHMETIC_OP(sum64, double, (double)NAN, +)
+ARITHMETIC_OP(prod32, float, NAN, *)
+ARITHMETIC_OP(prod64, double, (double)NAN, *)
 
 #define PICK_OP(name, T, I, top, exponent, canonical, better)                                                   \
     static void name(const I *in, I *inout, Py_ssize_t n) {                                                      \
@@ -108,6 +110,10 @@ static void sum_op(void *in, void *inout, int *len, MPI_Datatype *type) {
     if (is_double(*type)) sum64(in, inout, parts_of(*type, *len));
     else sum32(in, inout, parts_of(*type, *len));
 }
+static void prod_op(void *in, void *inout, int *len, MPI_Datatype *type) {
+    if (is_double(*type)) prod64(in, inout, *len);
+    else prod32(in, inout, *len);
+}
 static void max_op(void *in, void *inout, int *len, MPI_Datatype *type) {
     if (is_double(*type)) max64(in, inout, *len);
     else max32(in, inout, *len);
@@ -117,18 +123,18 @@ static void min_op(void *in, void *inout, int *len, MPI_Datatype *type) {
     else min32(in, inout, *len);
 }
 
-/* create_ops(): the Fortran handles of the (sum, max, min) above as commutative MPI ops, made now. */
+/* create_ops(): the Fortran handles of the (sum, prod, max, min) above as commutative MPI ops, made now. */
 static PyObject *create_ops(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    MPI_User_function *functions[3] = {sum_op, max_op, min_op};
-    MPI_Fint handles[3];
-    for (int i = 0; i < 3; i++) {
+    MPI_User_function *functions[4] = {sum_op, prod_op, max_op, min_op};
+    MPI_Fint handles[4];
+    for (int i = 0; i < 4; i++) {
         MPI_Op op;
         int code = MPI_Op_create(functions[i], 1, &op);
         if (code != MPI_SUCCESS) return failed(code);
         handles[i] = MPI_Op_c2f(op);
     }
-    return Py_BuildValue("(lll)", (long)handles[0], (long)handles[1], (long)handles[2]);
+    return Py_BuildValue("(llll)", (long)handles[0], (long)handles[1], (long)handles[2], (long)handles[3]);
 }
 
 /* The arguments both calls share: (handle, buffer, ..., nan_check, tests) with five in all, `usage` naming them;
@@ -263,7 +269,7 @@ static PyMethodDef methods[] = {
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL,
      "start(request, own, buf, nan_check, tests) -> True (done, copied back) | False | NotImplemented"},
     {"canonical_nans", canonical_nans_call, METH_O, "canonical_nans(buf): numpy's NaN wherever buf holds one"},
-    {"create_ops", create_ops, METH_NOARGS, "create_ops() -> Fortran handles of the (sum, max, min) MPI ops"},
+    {"create_ops", create_ops, METH_NOARGS, "create_ops() -> Fortran handles of the (sum, prod, max, min) MPI ops"},
     {"configure", configure, METH_O, "configure(exception_type): what an MPI error code is raised as"},
     {"library_version", library_version, METH_NOARGS, "the MPI library this was built against"},
     {NULL, NULL, 0, NULL},

@@ -17,7 +17,7 @@ import warnings
 from mpi4py import MPI
 
 from . import kernels
-from .buffers import MAX, MIN, SUM
+from .buffers import MAX, MIN, PROD, SUM
 from .mpi_library import check_built_for, include_directory, link_flags, loaded_path
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_calls.c")
@@ -58,10 +58,10 @@ def build():
 
 @functools.cache
 def reduction_ops() -> dict[str, MPI.Op]:
-    """mpcomm's sum (float32/float64, real or complex), max and min (float32/float64) as commutative MPI ops of the
-    loaded library, which write numpy's NaN wherever a result is NaN and order -0.0 below +0.0: made once per
-    process; {} where the extension is not loaded."""
+    """mpcomm's sum (float32/float64, real or complex), product, max and min (float32/float64) as commutative MPI
+    ops of the loaded library, which write numpy's NaN wherever a result is NaN and order -0.0 below +0.0: made
+    once per process; {} where the extension is not loaded."""
     module = load()
     if module is None:
         return {}
-    return dict(zip((SUM, MAX, MIN), map(MPI.Op.f2py, module.create_ops())))
+    return dict(zip((SUM, PROD, MAX, MIN), map(MPI.Op.f2py, module.create_ops())))

@@ -137,14 +137,15 @@ def test_ranks_that_disagree_on_the_count_are_told_on_every_rank(monkeypatch):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
 def test_float_min_max_and_sums_make_no_passes_of_their_own_with_mpcomms_ops(comm, monkeypatch, dtype):
-    """With native_calls built, min/max reduce the floats themselves (no key passes) and a float sum up to the
-    library's sum_op_upto gets numpy's NaNs from the op (no NaN pass after it): right, and alike on every rank."""
+    """With native_calls built, min/max reduce the floats themselves (no key passes) and a float sum or product up
+    to the library's arithmetic_op_upto gets numpy's NaNs from the op (no NaN pass after it): right, and alike on
+    every rank."""
     def refused(*_):
         raise AssertionError("a pass that mpcomm's own MPI ops make needless")
 
     for name in ("to_keys", "from_keys", "_canonical_nans", "finish_floats"):
         monkeypatch.setattr(native, name, refused)
-    for op in ("min", "max", "sum"):
+    for op in ("min", "max", "sum", "prod"):
         def run():
             x = special_values(dtype, comm.rank, n=257)
             return x, comm.allreduce(x.copy(), op=op, algorithm="native")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import topology
-from ..buffers import AVG, LOW_PRECISION, MAX, MIN, SUM
+from ..buffers import AVG, LOW_PRECISION, SUM
 from ..compression import codec
 from ..kernels import KEY_DTYPES
 from ..mpi_library import library
@@ -119,7 +119,7 @@ class CostModel:
     # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
     # buffer (bench/results/observations.md, "numpy's casts of 16-bit floats"): float16 and bfloat16 widened to
     # float32 and narrowed back, numpy's casts (float16's are slower: no F16C loops);
-    # one read-modify-write pass (avg's division, one way of native's float keys); direct's compiled float32
+    # one read-modify-write pass (avg's division); direct's compiled float32
     # reduction of 16-bit parts, per byte read. (native's NaN check after a float sum is in native_byte_scale.)
     widen_bytes: tuple = (("float16", 2.0e-9), ("bfloat16", 0.45e-9))
     pass_byte: float = 40e-12
@@ -129,8 +129,7 @@ class CostModel:
     # (bench/results/dtype_op.md).
     native_narrow_int_scale: tuple = ((1, 2.0), (2, 1.6))
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
-    # One call of the extension module's float passes (``mpcomm.kernels``: native's key mapping each way, avg's
-    # finish), however small, its Python wrapper included (bench/results/observations.md, "The extension's passes").
+    # One call of the extension module's float passes (``mpcomm.kernels``: avg's finish), however small, its Python wrapper included (bench/results/observations.md, "The extension's passes").
     alpha_kernel: float = 0.3e-6
     # The wire codecs' compiled passes (mpcomm.compression), seconds per byte of the float32 vector: encode,
     # decode, decode-and-add (64 MiB, best of 5, quiet; bench/results/compression.md).
@@ -240,7 +239,8 @@ class CostModel:
                op: str | None) -> float:
         """Seconds of the local passes over a reduction's data that (algorithm, op, dtype) adds to the collective:
         float16/bfloat16 widened to float32 and back (all but direct; direct's compiled reduction instead),
-        native's float keys for min/max and NaN check after sums, avg's division (of the part each rank finishes).
+        avg's division (of the part each rank finishes). (native reduces float min/max with mpcomm's own MPI ops,
+        no key passes, where ``native_calls`` is built, as the model assumes.)
         ``nbytes`` is the user's buffer; the wire bytes are :meth:`wire_bytes`."""
         if op is None or layout.size == 1 or nbytes == 0:
             return 0.0
@@ -252,9 +252,6 @@ class CostModel:
                 total += self.alpha_pass + n * self.kernel16_byte
             else:
                 total += 2 * self.alpha_pass + n * dict(self.widen_bytes)[str(dtype)]
-        floating = dtype.kind in "fc" or dtype in LOW_PRECISION
-        if algorithm == "native" and floating and op in (MIN, MAX):
-            total += 2 * (self.alpha_kernel + wire * self.pass_byte)  # to keys and back
         if op == AVG:
             total += self.avg_finish(algorithm, wire, p, dtype)
         return total

@@ -8,8 +8,9 @@ mpcomm's own algorithms:
   (``mpcomm.native_calls``: NaN wins, -0.0 below +0.0), or where those are missing as integer keys that sort like
   the floats (NaN mapped to the extreme that wins; ``mpcomm.kernels``, one pass each way).
 * sums and products of floats with NaN: the NaN's sign and payload depend on the operand order, which differs
-  between ranks in the library's recursive doubling; an all-reduce that produced NaN writes numpy's NaN (sums:
-  inside the library's reduction with mpcomm's sum op, up to the size ``mpcomm.mpi_library`` says it pays).
+  between ranks in the library's recursive doubling; an all-reduce that produced NaN writes numpy's NaN (inside
+  the library's reduction with mpcomm's sum and product ops, up to the size ``mpcomm.mpi_library`` says they pay;
+  else in a pass after it).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from ..buffers import AVG, MAX, MIN, SUM, ReduceOp
+from ..buffers import AVG, MAX, MIN, PROD, SUM, ReduceOp
 from ..errors import CollectiveMismatchError
 from ..kernels import KEY_DTYPES, finish_floats, from_keys, to_keys
 from ..mpi_library import Library, library
@@ -29,22 +30,30 @@ from ..transport import Transport
 _MIN_MAX = (MIN, MAX)
 _SMALL = 16  # up to this many elements a NaN is looked for by a sum in Python (see _has_nan)
 _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): np.dtype(np.float64)}
-# What native reduces with mpcomm's own ops (avg: its sum; not of complex, whose division makes NaNs of its own)
-_OP_DTYPES = {MIN: tuple(KEY_DTYPES), MAX: tuple(KEY_DTYPES), SUM: (*KEY_DTYPES, *_REAL), AVG: tuple(KEY_DTYPES)}
+# What native reduces with mpcomm's own ops (avg: its sum; not complex avg, whose division makes NaNs of its own,
+# nor complex prod, whose NaNs and infinities are C's)
+_OP_DTYPES = {MIN: frozenset(KEY_DTYPES), MAX: frozenset(KEY_DTYPES), SUM: frozenset([*KEY_DTYPES, *_REAL]),
+              AVG: frozenset(KEY_DTYPES), PROD: frozenset(KEY_DTYPES)}
+_UNMADE = (None, 0)
 _PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) one transport keeps at most
 _ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-reduce, holding the GIL throughout
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
-    dtype = buf.dtype
     own_op = _own_op(t, buf, op)
-    if op.name in _MIN_MAX and dtype in KEY_DTYPES and own_op is None:
+    if own_op is not None:  # (NaNs and zeros done inside the library's reduction: no pass but avg's division)
+        _allreduce_in_place(t, buf, op, mpi_op=own_op)
+        if op.divisor != 1 and finish_floats(buf, op.divisor) is None:
+            op.finish(buf)
+        return
+    dtype = buf.dtype
+    if op.name in _MIN_MAX and dtype in KEY_DTYPES:
         keys = to_keys(buf, op.name)
         _allreduce_in_place(t, keys, op)
         from_keys(keys)
         return
-    nans_matter = dtype.kind in "fc" and t.size > 1 and own_op is None
-    if _allreduce_in_place(t, buf, op, canonical=nans_matter and op.divisor == 1, mpi_op=own_op) or (
+    nans_matter = dtype.kind in "fc" and t.size > 1
+    if _allreduce_in_place(t, buf, op, canonical=nans_matter and op.divisor == 1) or (
             op.divisor == 1 and not nans_matter):
         return
     found = finish_floats(buf, op.divisor)  # (float32/float64: both in one pass)
@@ -146,23 +155,30 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False
 
 
 def _own_op(t: Transport, buf, op: ReduceOp):
-    """mpcomm's own ``op`` as an MPI op (``native_calls.reduction_ops``) where native uses it for ``buf`` on ``t``,
-    else None: min/max of float32/float64 and, up to the library's ``sum_op_upto``, float sums (real or complex)
-    and avgs (real), host buffers, two ranks or more, and every rank of ``t`` able to make it (agreed once per transport,
-    by every rank at its first call that would use it)."""
-    if type(buf) is not np.ndarray or t.size == 1 or buf.dtype not in _OP_DTYPES.get(op.name, ()):
+    """mpcomm's own ``op`` as an MPI op (``native_calls.reduction_ops``) where native reduces ``buf`` on ``t`` with
+    it, else None: float min/max and, up to the library's ``arithmetic_op_upto`` bytes, float sums, avgs and
+    products (``_OP_DTYPES``), of host buffers over two ranks or more, once every rank of ``t`` has agreed it can
+    make them (at its first call that would use them)."""
+    if buf.dtype not in _OP_DTYPES.get(op.name, ()) or type(buf) is not np.ndarray or t.size == 1:
         return None
-    name = SUM if op.name == AVG else op.name
-    if name == SUM:
-        upto = library().sum_op_upto
-        if upto is not None and buf.nbytes > upto:
-            return None
-    if t.reduction_ops is None:
-        ops = reduction_ops()
-        everyone = np.array([len(ops)], np.int64)
-        _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, everyone, MPI.MIN))
-        t.reduction_ops = ops if everyone[0] else {}
-    return t.reduction_ops.get(name)
+    ops = t.reduction_ops
+    if ops is None:
+        ops = t.reduction_ops = _agreed_ops(t)
+    own, upto = ops.get(op.name, _UNMADE)
+    return own if upto is None or buf.nbytes <= upto else None
+
+
+def _agreed_ops(t: Transport) -> dict:
+    """op name -> (mpcomm's MPI op, the largest all-reduce in bytes it is used for, None: any) where every rank of
+    ``t`` can make them, else {}: the op that reduces must be the same on every rank."""
+    ops = reduction_ops()
+    everyone = np.array([len(ops)], np.int64)
+    _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, everyone, MPI.MIN))
+    if not everyone[0]:
+        return {}
+    upto = library().arithmetic_op_upto
+    return {MIN: (ops[MIN], None), MAX: (ops[MAX], None), SUM: (ops[SUM], upto), AVG: (ops[SUM], upto),
+            PROD: (ops[PROD], upto)}
 
 
 def _min_max_op(t: Transport, buf, op: ReduceOp):
