@@ -358,8 +358,8 @@ PRICED_LAYOUTS = [Layout(2, (2,)), Layout(4, (4,), ranks_per_core=2.0), Layout(4
 @pytest.mark.parametrize("layout", PRICED_LAYOUTS, ids=lambda lay: f"{lay.node_sizes}-rpc{lay.ranks_per_core:g}")
 def test_model_prices_each_op_and_dtype(layout):
     """float16/bfloat16 reductions of 1 MiB and more go through direct (the others get them widened to float32:
-    twice the bytes and numpy's casts); native's float min/max cost more than its sum (the key passes), its int8
-    more per byte than its int32; and
+    twice the bytes and numpy's casts); native's float min/max cost what its sum does (mpcomm's own MPI ops, no
+    key passes), its int8 more per byte than its int32; and
     direct, priced as the ring, never displaces another algorithm for any other dtype (float32 sum unchanged)."""
     from mpcomm.buffers import BFLOAT16
 
@@ -372,7 +372,7 @@ def test_model_prices_each_op_and_dtype(layout):
                 assert selector.choose(operation, 1 << 20, dtype, op) == "direct", (operation, dtype, op)
     f32 = np.dtype(np.float32)
     model = selector.model.for_layout(layout)
-    assert model.call("allreduce", "native", 1 << 16, layout, f32, "max") > \
+    assert model.call("allreduce", "native", 1 << 16, layout, f32, "max") == \
         model.call("allreduce", "native", 1 << 16, layout, f32, "sum")
     assert model.call("allreduce", "native", 1 << 20, layout, np.dtype(np.int8), "sum") > \
         model.call("allreduce", "native", 1 << 20, layout, np.dtype(np.int32), "sum")  # MPICH's byte loops
@@ -402,7 +402,4 @@ def test_avg_is_priced_where_its_division_runs(layout):
             assert extra("native") == pytest.approx(model.alpha_kernel + wire * model.pass_byte), (dtype, n)
             for algorithm in ("rhd", "tree"):
                 assert extra(algorithm) > model.alpha_pass, (algorithm, dtype, n)
-    f32 = np.dtype(np.float32)
-    keys = model.call("allreduce", "native", 8, layout, f32, "max") - model.call("allreduce", "native", 8, layout, f32, "sum")
-    assert keys == pytest.approx(2 * model.alpha_kernel + 2 * 8 * model.pass_byte)  # two extension calls, not numpy's
 
