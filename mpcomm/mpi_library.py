@@ -38,9 +38,9 @@ class Library:
     blocking_above: int | None  # all-reduce of more than this many bytes: meet, then the blocking call (None: never)
     # The blocking call spins without yielding: where ranks share cores it holds the core its peer needs.
     blocking_on_shared_cores: bool = False
-    # float sums, avgs and products of at most this many bytes use mpcomm's ops (native_calls: NaN made numpy's
-    # inside the library's reduction, no pass after it); None: every size
-    arithmetic_op_upto: int | None = 0
+    # float sums, avgs and products of more than [0] and at most [1] bytes (None: no limit) use mpcomm's ops
+    # (native_calls: NaN made numpy's inside the library's reduction, no pass after it)
+    arithmetic_op_bytes: tuple[int, int | None] = (0, 0)
     cost_model: tuple = ()  # (field, value) pairs of CostModel that differ on this library (its defaults: MPICH's)
 
 
@@ -49,13 +49,14 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # non-blocking collective beside a blocking one) get requests of their own: sharing one deadlocked them. (With
     # native_calls' C call they saved nothing end to end on Open MPI at 8 B-4 KiB: their lookup costs as much.)
     # MPICH runs a user op's large all-reduce by another algorithm, slower than its SUM and the NaN pass after it
-    # from 256 KiB to 1 MiB at p = 2; up to 128 KiB the op is the faster (min/max: faster than keys at every size).
-    "mpich": Library("mpich", persistent_upto=0, blocking_above=None, arithmetic_op_upto=128 << 10),
+    # from 256 KiB to 1 MiB at p = 2, and its small non-blocking one 0.1 us slower up to 2 KiB, where the NaN pass
+    # costs less; between them the op is the faster (min/max: faster than keys at every size).
+    "mpich": Library("mpich", persistent_upto=0, blocking_above=None, arithmetic_op_bytes=(2 << 10, 128 << 10)),
     # libnbc builds a schedule per Iallreduce (persistent requests would save it; off, see above) and runs up to 1.5x
     # behind the meeting + blocking call from 64 KiB on an idle node; below it the meeting costs as much as it saves.
     # Open MPI runs a user op as fast as its SUM at every size, so a float sum needs no NaN pass after it; then
     # native moves large all-reduces ~0.9x as long as mpcomm's rhd: hence the scale (openmpi.md).
-    "openmpi": Library("openmpi", persistent_upto=0, blocking_above=32 << 10, arithmetic_op_upto=None,
+    "openmpi": Library("openmpi", persistent_upto=0, blocking_above=32 << 10, arithmetic_op_bytes=(0, None),
                        cost_model=(("native_byte_scale", 0.9),)),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).

@@ -68,18 +68,20 @@ def test_allreduce_large(comm, way, calls, dtype, op):
     check_allreduce(comm, "native", dtype, op, [(LARGE,)], seed=100)
 
 
+@pytest.mark.parametrize("n", [64, 1031])
 @pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "avg"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128], ids=str)
-def test_special_values_match_numpy_and_agree_bitwise(comm, way, calls, dtype, op):
-    """NaN (numpy's, the same bits on every rank, from 2 ranks) wherever numpy has one, also where the C call
-    makes them canonical; complex: NaN in either part."""
+def test_special_values_match_numpy_and_agree_bitwise(comm, way, calls, dtype, op, n):
+    """NaN (numpy's, the same bits on every rank, from 2 ranks) wherever numpy has one, also where the C call or
+    mpcomm's own MPI ops make them canonical (n: below and inside MPICH's range for its ops); complex: NaN in either
+    part."""
     if dtype in (np.complex64, np.complex128) and op not in ("sum", "avg"):
         pytest.skip("complex: no order (min/max), and products of infinities differ between MPI and numpy")
 
     def run():
-        x = special_values(dtype, comm.rank)
+        x = special_values(dtype, comm.rank, n)
         if x.dtype.kind == "c":
-            x.imag = special_values(np.float64, comm.rank + 7)
+            x.imag = special_values(np.float64, comm.rank + 7, n)
         return x, comm.allreduce(x.copy(), op=op, algorithm="native")
 
     everyone = run_gathered(run)
@@ -137,17 +139,18 @@ def test_ranks_that_disagree_on_the_count_are_told_on_every_rank(monkeypatch):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
 def test_float_min_max_and_sums_make_no_passes_of_their_own_with_mpcomms_ops(comm, monkeypatch, dtype):
-    """With native_calls built, min/max reduce the floats themselves (no key passes) and a float sum or product up
-    to the library's arithmetic_op_upto gets numpy's NaNs from the op (no NaN pass after it): right, and alike on
+    """With native_calls built, min/max reduce the floats themselves (no key passes) and a float sum or product in
+    the library's arithmetic_op_bytes gets numpy's NaNs from the op (no NaN pass after it): right, and alike on
     every rank."""
     def refused(*_):
         raise AssertionError("a pass that mpcomm's own MPI ops make needless")
 
     for name in ("to_keys", "from_keys", "_canonical_nans", "finish_floats"):
         monkeypatch.setattr(native, name, refused)
+    n = library().arithmetic_op_bytes[0] // np.dtype(dtype).itemsize + 257  # (in the range the op takes)
     for op in ("min", "max", "sum", "prod"):
         def run():
-            x = special_values(dtype, comm.rank, n=257)
+            x = special_values(dtype, comm.rank, n=n)
             return x, comm.allreduce(x.copy(), op=op, algorithm="native")
 
         everyone = run_gathered(run)

@@ -34,7 +34,7 @@ _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): 
 # nor complex prod, whose NaNs and infinities are C's)
 _OP_DTYPES = {MIN: frozenset(KEY_DTYPES), MAX: frozenset(KEY_DTYPES), SUM: frozenset([*KEY_DTYPES, *_REAL]),
               AVG: frozenset(KEY_DTYPES), PROD: frozenset(KEY_DTYPES)}
-_UNMADE = (None, 0)
+_UNMADE = (None, 0, 0)
 _PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) one transport keeps at most
 _ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-reduce, holding the GIL throughout
 
@@ -156,29 +156,29 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False
 
 def _own_op(t: Transport, buf, op: ReduceOp):
     """mpcomm's own ``op`` as an MPI op (``native_calls.reduction_ops``) where native reduces ``buf`` on ``t`` with
-    it, else None: float min/max and, up to the library's ``arithmetic_op_upto`` bytes, float sums, avgs and
-    products (``_OP_DTYPES``), of host buffers over two ranks or more, once every rank of ``t`` has agreed it can
-    make them (at its first call that would use them)."""
+    it, else None: float min/max and, in the library's ``arithmetic_op_bytes``, float sums, avgs and products
+    (``_OP_DTYPES``), of host buffers over two ranks or more, once every rank of ``t`` has agreed it can make them
+    (at its first call that would use them)."""
     if buf.dtype not in _OP_DTYPES.get(op.name, ()) or type(buf) is not np.ndarray or t.size == 1:
         return None
     ops = t.reduction_ops
     if ops is None:
         ops = t.reduction_ops = _agreed_ops(t)
-    own, upto = ops.get(op.name, _UNMADE)
-    return own if upto is None or buf.nbytes <= upto else None
+    own, above, upto = ops.get(op.name, _UNMADE)
+    return own if above < buf.nbytes and (upto is None or buf.nbytes <= upto) else None
 
 
 def _agreed_ops(t: Transport) -> dict:
-    """op name -> (mpcomm's MPI op, the largest all-reduce in bytes it is used for, None: any) where every rank of
-    ``t`` can make them, else {}: the op that reduces must be the same on every rank."""
+    """op name -> (mpcomm's MPI op, the bytes of the all-reduces it is used for: more than, at most (None: any))
+    where every rank of ``t`` can make them, else {}: the op that reduces must be the same on every rank."""
     ops = reduction_ops()
     everyone = np.array([len(ops)], np.int64)
     _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, everyone, MPI.MIN))
     if not everyone[0]:
         return {}
-    upto = library().arithmetic_op_upto
-    return {MIN: (ops[MIN], None), MAX: (ops[MAX], None), SUM: (ops[SUM], upto), AVG: (ops[SUM], upto),
-            PROD: (ops[PROD], upto)}
+    above, upto = library().arithmetic_op_bytes
+    return {MIN: (ops[MIN], -1, None), MAX: (ops[MAX], -1, None), SUM: (ops[SUM], above, upto),
+            AVG: (ops[SUM], above, upto), PROD: (ops[PROD], above, upto)}
 
 
 def _min_max_op(t: Transport, buf, op: ReduceOp):
