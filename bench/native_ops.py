@@ -11,11 +11,10 @@ same dtype and size (what issue 27 asks of the other ops).
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 from mpi4py import MPI
-from small_messages import measure, summarize
+from small_messages import library_name, measure, summarize, sweep_arguments, write_rows
 
 from mpcomm import Communicator
 
@@ -37,10 +36,7 @@ def contenders(comm: Communicator, buf: np.ndarray) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32,float64", help="comma-separated (default float32,float64)")
-    parser.add_argument("--sizes", default=SIZES, help=f"bytes, comma-separated (default {SIZES})")
-    parser.add_argument("--calls", type=int, default=1000, help="calls per timed loop, at most (fewer when large)")
-    parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds per point")
-    parser.add_argument("--json", help="write the rows here (rank 0)")
+    sweep_arguments(parser, SIZES, calls=1000, rounds=5)
     args = parser.parse_args(argv)
     comm = Communicator(MPI.COMM_WORLD)
     rows = []
@@ -56,7 +52,7 @@ def main(argv=None) -> int:
                 rows.append({"dtype": str(dtype), "bytes": nbytes, **row, "x_raw": row["median_us"] / raw,
                              "x_native_sum": row["median_us"] / native_sum if kind == "native" else None})
     if comm.rank == 0:
-        print(f"{comm.size} ranks on {MPI.Get_library_version().splitlines()[0].strip()}; {args.rounds} rounds; "
+        print(f"{comm.size} ranks on {library_name()}; {args.rounds} rounds; "
               "us per call, median [min-max]; x raw: to raw Allreduce with the same op (avg: SUM); "
               "x sum: to native's sum")
         print(f"{'dtype':8} {'bytes':>9} {'contender':12} {'median':>10} {'spread':>21} {'x raw':>6} {'x sum':>6}")
@@ -65,10 +61,7 @@ def main(argv=None) -> int:
             to_sum = "" if row["x_native_sum"] is None else f"{row['x_native_sum']:6.2f}"
             print(f"{row['dtype']:8} {row['bytes']:9d} {row['contender']:12} {row['median_us']:10.2f} {spread:>21} "
                   f"{row['x_raw']:6.2f} {to_sum:>6}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"ranks": comm.size, "library": MPI.Get_library_version().splitlines()[0].strip(),
-                           "rounds": args.rounds, "rows": rows}, f, indent=1)
+        write_rows(args.json, comm, args.rounds, rows)
     comm.free()
     return 0
 

@@ -15,11 +15,10 @@ the slowest rank's; reports the median loop, min-max as the spread, and each con
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 from mpi4py import MPI
-from small_messages import measure, summarize
+from small_messages import library_name, measure, summarize, sweep_arguments, write_rows
 
 from mpcomm import Communicator
 from mpcomm.algorithms import native
@@ -68,10 +67,7 @@ def contenders(comm: Communicator, buf: np.ndarray) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=SIZES, help=f"bytes, comma-separated (default {SIZES})")
-    parser.add_argument("--calls", type=int, default=2000, help="calls per timed loop, at most (fewer for large sizes)")
-    parser.add_argument("--rounds", type=int, default=7, help="round-robin rounds per size")
-    parser.add_argument("--json", help="write the rows here (rank 0)")
+    sweep_arguments(parser, SIZES, calls=2000, rounds=7)
     args = parser.parse_args(argv)
     comm = Communicator(MPI.COMM_WORLD)
     rows = []
@@ -86,16 +82,13 @@ def main(argv=None) -> int:
     finally:
         native.library, native.load_calls = library, load_calls
     if comm.rank == 0:
-        print(f"{comm.size} ranks on {MPI.Get_library_version().splitlines()[0].strip()}; float32 sum; "
+        print(f"{comm.size} ranks on {library_name()}; float32 sum; "
               f"{args.rounds} rounds; us per call, median [min-max] of the rounds, ratio to raw Allreduce")
         print(f"{'bytes':>9} {'contender':30} {'median':>10} {'spread':>21} {'x raw':>6}")
         for row in rows:
             spread = f"[{row['min_us']:.2f}-{row['max_us']:.2f}]"
             print(f"{row['bytes']:9d} {row['contender']:30} {row['median_us']:10.2f} {spread:>21} {row['ratio']:6.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"ranks": comm.size, "library": MPI.Get_library_version().splitlines()[0].strip(),
-                           "rounds": args.rounds, "rows": rows}, f, indent=1)
+        write_rows(args.json, comm, args.rounds, rows)
     comm.free()
     return 0
 

@@ -111,6 +111,26 @@ def measure(world: MPI.Comm, contenders: dict, calls: int, rounds: int) -> dict[
     return times
 
 
+def sweep_arguments(parser: argparse.ArgumentParser, sizes: str, calls: int, rounds: int) -> None:
+    """The options of a sweep of interleaved timed loops: --sizes, --calls, --rounds, --json."""
+    parser.add_argument("--sizes", default=sizes, help=f"bytes, comma-separated (default {sizes})")
+    parser.add_argument("--calls", type=int, default=calls, help="calls per timed loop, at most (fewer when large)")
+    parser.add_argument("--rounds", type=int, default=rounds, help="round-robin rounds per point")
+    parser.add_argument("--json", help="write the rows here (rank 0)")
+
+
+def library_name() -> str:
+    """The first line of the MPI library's version string (what each result names)."""
+    return MPI.Get_library_version().splitlines()[0].strip()
+
+
+def write_rows(path: str | None, comm: Communicator, rounds: int, rows: list) -> None:
+    """``rows`` as JSON at ``path`` (None: nowhere), with the ranks, the MPI library and the rounds."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"ranks": comm.size, "library": library_name(), "rounds": rounds, "rows": rows}, f, indent=1)
+
+
 def summarize(times: dict[str, list[float]], reference: str) -> list[dict]:
     base = float(np.median(times[reference]))
     return [{"contender": name, "median_us": float(np.median(t)), "min_us": min(t), "max_us": max(t),
