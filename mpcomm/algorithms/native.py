@@ -158,14 +158,20 @@ def _own_op(t: Transport, buf, op: ReduceOp):
     """mpcomm's own ``op`` as an MPI op (``native_calls.reduction_ops``) where native reduces ``buf`` on ``t`` with
     it, else None: float min/max and, in the library's ``arithmetic_op_bytes``, float sums, avgs and products
     (``_OP_DTYPES``), of host buffers over two ranks or more, once every rank of ``t`` has agreed it can make them
-    (at its first call that would use them)."""
-    if buf.dtype not in _OP_DTYPES.get(op.name, ()) or type(buf) is not np.ndarray or t.size == 1:
-        return None
+    (at its first call that would use them). (Sizes first: a small sum is the latency-bound call.)"""
     ops = t.reduction_ops
     if ops is None:
+        if t.size == 1 or buf.dtype not in _OP_DTYPES.get(op.name, ()) or type(buf) is not np.ndarray:
+            return None
         ops = t.reduction_ops = _agreed_ops(t)
-    own, above, upto = ops.get(op.name, _UNMADE)
-    return own if above < buf.nbytes and (upto is None or buf.nbytes <= upto) else None
+    entry = ops.get(op.name)
+    if entry is None:
+        return None
+    own, above, upto = entry
+    nbytes = buf.nbytes
+    if nbytes <= above or (upto is not None and nbytes > upto) or buf.dtype not in _OP_DTYPES[op.name]:
+        return None
+    return own if type(buf) is np.ndarray else None
 
 
 def _agreed_ops(t: Transport) -> dict:
