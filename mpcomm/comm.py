@@ -103,6 +103,7 @@ class Communicator(Dispatcher):
         if self.ranks_per_core > 1:  # (collectives only: a receive yielding sooner lost its core to ranks that
             for t in (self._sync, self._async):  # spin elsewhere; bench/results/observations.md)
                 t.share_cores()
+        self._sync.spans_nodes = self._async.spans_nodes = self.num_nodes > 1
         self._start_dispatch()
         self._start_trace(settings.trace_buffer, base, settings.timeline)
         self._start_stragglers(settings.straggler)

@@ -85,6 +85,7 @@ class Transport:
         self.persistent_requests: dict = {}
         # mpcomm's reductions as MPI ops (native_calls), once every rank has agreed it has them: None until asked
         self.reduction_ops: dict | None = None
+        self.spans_nodes = False  # its ranks are on several nodes (set on every rank alike by the Communicator)
         self.cores_shared = False  # set on every rank alike (the communicator's topology is agreed)
 
     def share_cores(self) -> None:

@@ -20,6 +20,7 @@ from test_timeouts import TIMEOUT, assert_every_waiting_rank_timed_out, with_sil
 
 from mpcomm import Communicator, native_calls
 from mpcomm.algorithms import native
+from mpcomm.buffers import reduce_op
 from mpcomm.errors import CollectiveMismatchError
 from mpcomm.mpi_library import WAYS, forced, library, loaded_path
 from mpcomm.transport import Transport
@@ -145,6 +146,8 @@ def test_float_min_max_and_sums_make_no_passes_of_their_own_with_mpcomms_ops(com
     def refused(*_):
         raise AssertionError("a pass that mpcomm's own MPI ops make needless")
 
+    if not library().min_max_op or comm._sync.spans_nodes:
+        pytest.skip(f"{library().name}: mpcomm's ops are not used at every size here")
     for name in ("to_keys", "from_keys", "_canonical_nans", "finish_floats"):
         monkeypatch.setattr(native, name, refused)
     n = library().arithmetic_op_bytes[0] // np.dtype(dtype).itemsize + 257  # (in the range the op takes)
@@ -156,6 +159,40 @@ def test_float_min_max_and_sums_make_no_passes_of_their_own_with_mpcomms_ops(com
         everyone = run_gathered(run)
         assert_bitwise_equal([b for _, b in everyone], f"allreduce[native] {op}")
         np.testing.assert_array_equal(everyone[0][1], numpy_reduce([x for x, _ in everyone], op).astype(dtype))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("spans_nodes", [False, True])
+def test_mpcomms_ops_are_used_in_the_sizes_the_profile_gives(monkeypatch, spans_nodes):
+    """min/max at every size, sums and products in their byte range, and neither above the cap where the ranks span
+    nodes (MPICH's node-aware all-reduce takes only MPI's own ops): the same choice on every rank."""
+    profile = replace(library(), min_max_op=True, arithmetic_op_bytes=(64, 1 << 20), own_ops_across_nodes_upto=4096)
+    monkeypatch.setattr(native, "library", lambda: profile)
+    t = Transport(WORLD.Dup(), 30.0)
+    t.spans_nodes = spans_nodes
+    try:
+        def chosen(op, nbytes):
+            return native._own_op(t, np.ones(nbytes // 4, np.float32), reduce_op(op)) is not None
+
+        for op in ("max", "min"):
+            assert [chosen(op, n) for n in (4, 4096, 4100)] == [True, True, not spans_nodes], op
+        for op in ("sum", "prod", "avg"):
+            assert [chosen(op, n) for n in (64, 68, 4096, 4100, 1 << 20, (1 << 20) + 4)] == \
+                [False, True, True, not spans_nodes, not spans_nodes, False], op
+        assert native._own_op(t, np.ones(8, np.int32), reduce_op("max")) is None
+        assert native._own_op(t, np.ones(8, np.complex64), reduce_op("avg")) is None
+    finally:
+        t.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_communicator_over_several_nodes_tells_its_transports():
+    """Blocks of one rank per node are several nodes (the ranks_per_node setting stands for the hosts)."""
+    for ranks_per_node, spans in ((1, True), (P, False)):
+        c = Communicator(WORLD, ranks_per_node=ranks_per_node)
+        transports = (c._sync, c._async)
+        c.free()
+        assert [t.spans_nodes for t in transports] == [spans, spans], ranks_per_node
 
 
 @pytest.mark.mpi(min_size=2)

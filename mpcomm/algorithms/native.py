@@ -156,9 +156,10 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False
 
 def _own_op(t: Transport, buf, op: ReduceOp):
     """mpcomm's own ``op`` as an MPI op (``native_calls.reduction_ops``) where native reduces ``buf`` on ``t`` with
-    it, else None: float min/max and, in the library's ``arithmetic_op_bytes``, float sums, avgs and products
-    (``_OP_DTYPES``), of host buffers over two ranks or more, once every rank of ``t`` has agreed it can make them
-    (at its first call that would use them). (Sizes first: a small sum is the latency-bound call.)"""
+    it, else None: float min/max and float sums, avgs and products (``_OP_DTYPES``) in the sizes the library's
+    profile gives them (``mpcomm.mpi_library``), of host buffers over two ranks or more, once every rank of ``t``
+    has agreed it can make them (at its first call that would use them). (Sizes first: a small sum is the
+    latency-bound call.)"""
     ops = t.reduction_ops
     if ops is None:
         if t.size == 1 or buf.dtype not in _OP_DTYPES.get(op.name, ()) or type(buf) is not np.ndarray:
@@ -175,16 +176,28 @@ def _own_op(t: Transport, buf, op: ReduceOp):
 
 
 def _agreed_ops(t: Transport) -> dict:
-    """op name -> (mpcomm's MPI op, the bytes of the all-reduces it is used for: more than, at most (None: any))
-    where every rank of ``t`` can make them, else {}: the op that reduces must be the same on every rank."""
+    """op name -> (mpcomm's MPI op, the bytes of the all-reduces it is used for: more than, at most (None: any)),
+    as the library's profile says and where every rank of ``t`` can make them, else {}: the op that reduces must be
+    the same on every rank (and so is the profile)."""
+    profile = library()
+    above, upto = profile.arithmetic_op_bytes
+    min_max_upto = None if profile.min_max_op else -1
+    if t.spans_nodes:
+        upto, min_max_upto = (_at_most(limit, profile.own_ops_across_nodes_upto) for limit in (upto, min_max_upto))
+    if upto == min_max_upto == -1:
+        return {}
     ops = reduction_ops()
     everyone = np.array([len(ops)], np.int64)
     _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, everyone, MPI.MIN))
     if not everyone[0]:
         return {}
-    above, upto = library().arithmetic_op_bytes
-    return {MIN: (ops[MIN], -1, None), MAX: (ops[MAX], -1, None), SUM: (ops[SUM], above, upto),
+    return {MIN: (ops[MIN], -1, min_max_upto), MAX: (ops[MAX], -1, min_max_upto), SUM: (ops[SUM], above, upto),
             AVG: (ops[SUM], above, upto), PROD: (ops[PROD], above, upto)}
+
+
+def _at_most(limit: int | None, cap: int | None) -> int | None:
+    """The smaller of two byte limits (None: no limit)."""
+    return cap if limit is None else limit if cap is None else min(limit, cap)
 
 
 def _min_max_op(t: Transport, buf, op: ReduceOp):
