@@ -40,11 +40,11 @@ class Library:
     blocking_on_shared_cores: bool = False
     # mpcomm's ops (native_calls: NaN and signed zeros as mpcomm's rules say, inside the library's reduction): for
     # float min/max (else integer keys, a pass each way), and for float sums, avgs and products of more than [0]
-    # and at most [1] bytes (None: no limit; else a NaN pass after the library's SUM/PROD); where the ranks span
-    # several nodes, for none above own_ops_across_nodes_upto bytes (None: no limit)
+    # and at most [1] bytes (None: no limit; else a NaN pass after the library's SUM/PROD). Only where the ranks
+    # share one node: MPICH's node-aware all-reduce takes only MPI's own ops (a user op's took 2x as long from
+    # 64 KiB to 16 MiB on the simulated 2 x 2 cluster), and Open MPI's was not measured across nodes.
     min_max_op: bool = False
     arithmetic_op_bytes: tuple[int, int | None] = (0, 0)
-    own_ops_across_nodes_upto: int | None = 0
     cost_model: tuple = ()  # (field, value) pairs of CostModel that differ on this library (its defaults: MPICH's)
 
 
@@ -54,14 +54,12 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # native_calls' C call they saved nothing end to end on Open MPI at 8 B-4 KiB: their lookup costs as much.)
     # MPICH runs a user op's large all-reduce by another algorithm, slower than its SUM and the NaN pass after it
     # from 256 KiB to 1 MiB at p = 2, and its small non-blocking one 0.1 us slower up to 2 KiB, where the NaN pass
-    # costs less; between them the op is the faster (min/max: faster than keys at every size on one node). Across
-    # nodes its node-aware all-reduce takes only MPI's own ops: from 256 KiB a user op's took 2x as long (2 x 2).
+    # costs less; between them the op is the faster (min/max: faster than keys at every size).
     "mpich": Library("mpich", persistent_upto=0, blocking_above=None, min_max_op=True,
-                     arithmetic_op_bytes=(2 << 10, 128 << 10), own_ops_across_nodes_upto=128 << 10),
+                     arithmetic_op_bytes=(2 << 10, 128 << 10)),
     # libnbc builds a schedule per Iallreduce (persistent requests would save it; off, see above) and runs up to 1.5x
     # behind the meeting + blocking call from 64 KiB on an idle node; below it the meeting costs as much as it saves.
-    # Open MPI runs a user op as fast as its SUM at every size on one node (not measured across nodes: there it
-    # keeps MPI's ops), so a float sum needs no NaN pass after it; then
+    # Open MPI runs a user op as fast as its SUM at every size, so a float sum needs no NaN pass after it; then
     # native moves 2-16 MiB all-reduces in 0.9x the time of mpcomm's rhd and ring; 1.0 keeps avg (a pass more) off
     # native where the ring, which divides in its last addition, is faster (openmpi.md).
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=32 << 10, min_max_op=True,

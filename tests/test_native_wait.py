@@ -164,9 +164,9 @@ def test_float_min_max_and_sums_make_no_passes_of_their_own_with_mpcomms_ops(com
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("spans_nodes", [False, True])
 def test_mpcomms_ops_are_used_in_the_sizes_the_profile_gives(monkeypatch, spans_nodes):
-    """min/max at every size, sums and products in their byte range, and neither above the cap where the ranks span
-    nodes (MPICH's node-aware all-reduce takes only MPI's own ops): the same choice on every rank."""
-    profile = replace(library(), min_max_op=True, arithmetic_op_bytes=(64, 1 << 20), own_ops_across_nodes_upto=4096)
+    """min/max at every size, sums and products in their byte range, none where the ranks span nodes (MPICH's
+    node-aware all-reduce takes only MPI's own ops): the same choice on every rank."""
+    profile = replace(library(), min_max_op=True, arithmetic_op_bytes=(64, 1 << 20))
     monkeypatch.setattr(native, "library", lambda: profile)
     t = Transport(WORLD.Dup(), 30.0)
     t.spans_nodes = spans_nodes
@@ -175,10 +175,10 @@ def test_mpcomms_ops_are_used_in_the_sizes_the_profile_gives(monkeypatch, spans_
             return native._own_op(t, np.ones(nbytes // 4, np.float32), reduce_op(op)) is not None
 
         for op in ("max", "min"):
-            assert [chosen(op, n) for n in (4, 4096, 4100)] == [True, True, not spans_nodes], op
+            assert [chosen(op, n) for n in (4, 4096, 1 << 24)] == [not spans_nodes] * 3, op
         for op in ("sum", "prod", "avg"):
-            assert [chosen(op, n) for n in (64, 68, 4096, 4100, 1 << 20, (1 << 20) + 4)] == \
-                [False, True, True, not spans_nodes, not spans_nodes, False], op
+            assert [chosen(op, n) for n in (64, 68, 1 << 20, (1 << 20) + 4)] == \
+                [False, not spans_nodes, not spans_nodes, False], op
         assert native._own_op(t, np.ones(8, np.int32), reduce_op("max")) is None
         assert native._own_op(t, np.ones(8, np.complex64), reduce_op("avg")) is None
     finally:

@@ -182,9 +182,7 @@ def _agreed_ops(t: Transport) -> dict:
     profile = library()
     above, upto = profile.arithmetic_op_bytes
     min_max_upto = None if profile.min_max_op else -1
-    if t.spans_nodes:
-        upto, min_max_upto = (_at_most(limit, profile.own_ops_across_nodes_upto) for limit in (upto, min_max_upto))
-    if upto == min_max_upto == -1:
+    if t.spans_nodes or upto == min_max_upto == -1:  # (across nodes: see mpi_library.Library)
         return {}
     ops = reduction_ops()
     everyone = np.array([len(ops)], np.int64)
@@ -193,11 +191,6 @@ def _agreed_ops(t: Transport) -> dict:
         return {}
     return {MIN: (ops[MIN], -1, min_max_upto), MAX: (ops[MAX], -1, min_max_upto), SUM: (ops[SUM], above, upto),
             AVG: (ops[SUM], above, upto), PROD: (ops[PROD], above, upto)}
-
-
-def _at_most(limit: int | None, cap: int | None) -> int | None:
-    """The smaller of two byte limits (None: no limit)."""
-    return cap if limit is None else limit if cap is None else min(limit, cap)
 
 
 def _min_max_op(t: Transport, buf, op: ReduceOp):
