@@ -7,16 +7,18 @@ import numpy as np
 from mpi4py import MPI, __version__ as mpi4py_version
 
 from . import native_calls
+from .mpi_library import library
 
 
 def describe() -> str:
-    library = MPI.Get_library_version().splitlines()[0].strip()
+    name = MPI.Get_library_version().splitlines()[0].strip()
     thread = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()]
     calls = "C" if native_calls.load() is not None else "mpi4py"  # (builds it on first use)
-    return (f"mpcomm on {library} | MPI {'.'.join(map(str, MPI.Get_version()))} | thread level {thread} | "
-            f"native's small all-reduce: {calls} | mpi4py {mpi4py_version} | numpy {np.__version__} | "
-            f"python {sys.version.split()[0]}")
+    ops = "mpcomm's" if native_calls.reduction_ops() and library().min_max_op else "MPI's, with passes"
+    return (f"mpcomm on {name} | MPI {'.'.join(map(str, MPI.Get_version()))} | thread level {thread} | "
+            f"native's small all-reduce: {calls} | native's float ops on one node: {ops} | mpi4py {mpi4py_version} | "
+            f"numpy {np.__version__} | python {sys.version.split()[0]}")
 
 
 if __name__ == "__main__":
