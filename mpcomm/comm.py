@@ -21,6 +21,7 @@ from mpi4py import MPI
 from numpy.typing import DTypeLike
 
 from . import p2p, staging
+from .algorithms import native
 from .algorithms.auto import Selector
 from .buffers import SUM, NoBuffer, WorkArray, as_input, as_output, same_device
 from .dispatch import FREED, Dispatcher
@@ -104,6 +105,7 @@ class Communicator(Dispatcher):
             for t in (self._sync, self._async):  # spin elsewhere; bench/results/observations.md)
                 t.share_cores()
         self._sync.spans_nodes = self._async.spans_nodes = self.num_nodes > 1
+        self._sync.reduction_ops = self._async.reduction_ops = native.agree_on_ops(self._sync)
         self._start_dispatch()
         self._start_trace(settings.trace_buffer, base, settings.timeline)
         self._start_stragglers(settings.straggler)

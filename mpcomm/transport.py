@@ -83,8 +83,9 @@ class Transport:
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
         # The MPI library's persistent collectives made on this communicator, with their buffers (algorithms/native)
         self.persistent_requests: dict = {}
-        # mpcomm's reductions as MPI ops (native_calls), once every rank has agreed it has them: None until asked
-        self.reduction_ops: dict | None = None
+        # mpcomm's reductions as MPI ops (native_calls) that every rank agreed it has, where the Communicator asked
+        # when it made this transport (algorithms.native.agree_on_ops); none elsewhere
+        self.reduction_ops: dict = {}
         self.spans_nodes = False  # its ranks are on several nodes (set on every rank alike by the Communicator)
         self.cores_shared = False  # set on every rank alike (the communicator's topology is agreed)
 

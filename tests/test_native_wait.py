@@ -45,8 +45,7 @@ def calls(request, monkeypatch, comm) -> str:
     rank)."""
     if request.param == "mpi4py":
         monkeypatch.setattr(native, "load_calls", lambda: None)
-        monkeypatch.setattr(native, "reduction_ops", dict)
-        monkeypatch.setattr(comm._sync, "reduction_ops", None)  # (agreed again, without them)
+        monkeypatch.setattr(comm._sync, "reduction_ops", {})  # (as agreed where one rank cannot make them)
     return request.param
 
 
@@ -170,17 +169,18 @@ def test_mpcomms_ops_are_used_in_the_sizes_the_profile_gives(monkeypatch, spans_
     monkeypatch.setattr(native, "library", lambda: profile)
     t = Transport(WORLD.Dup(), 30.0)
     t.spans_nodes = spans_nodes
+    t.reduction_ops = native.agree_on_ops(t)
     try:
         def chosen(op, nbytes):
-            return native._own_op(t, np.ones(nbytes // 4, np.float32), reduce_op(op)) is not None
+            return native.own_op(t, np.ones(nbytes // 4, np.float32), reduce_op(op)) is not None
 
         for op in ("max", "min"):
             assert [chosen(op, n) for n in (4, 4096, 1 << 24)] == [not spans_nodes] * 3, op
         for op in ("sum", "prod", "avg"):
             assert [chosen(op, n) for n in (64, 68, 1 << 20, (1 << 20) + 4)] == \
                 [False, not spans_nodes, not spans_nodes, False], op
-        assert native._own_op(t, np.ones(8, np.int32), reduce_op("max")) is None
-        assert native._own_op(t, np.ones(8, np.complex64), reduce_op("avg")) is None
+        assert native.own_op(t, np.ones(8, np.int32), reduce_op("max")) is None
+        assert native.own_op(t, np.ones(8, np.complex64), reduce_op("avg")) is None
     finally:
         t.free()
 

@@ -40,9 +40,9 @@ _ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-red
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
-    own_op = _own_op(t, buf, op)
-    if own_op is not None:  # (NaNs and zeros done inside the library's reduction: no pass but avg's division)
-        _allreduce_in_place(t, buf, op, mpi_op=own_op)
+    mine = own_op(t, buf, op)
+    if mine is not None:  # (NaNs and zeros done inside the library's reduction: no pass but avg's division)
+        _allreduce_in_place(t, buf, op, mpi_op=mine)
         if op.divisor != 1 and finish_floats(buf, op.divisor) is None:
             op.finish(buf)
         return
@@ -73,7 +73,7 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
 
 def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
     """``recvbuf`` on ``root`` <- the reduction (``recvbuf`` may be None elsewhere)."""
-    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES and _own_op(t, sendbuf, op) is None:
+    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES and own_op(t, sendbuf, op) is None:
         keys = to_keys(_copy(t, sendbuf), op.name)
         result = recvbuf.view(keys.dtype) if t.rank == root else None
         t.wait_one(t.mpi.Ireduce(keys, result, op.mpi, root))
@@ -86,7 +86,7 @@ def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
-    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES and _own_op(t, sendbuf, op) is None:
+    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES and own_op(t, sendbuf, op) is None:
         keys = to_keys(_copy(t, sendbuf), op.name)
         t.wait_one(t.mpi.Ireduce_scatter_block(keys, recvbuf.view(keys.dtype), op.mpi))
         from_keys(recvbuf.view(keys.dtype))
@@ -154,18 +154,14 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False
     return False
 
 
-def _own_op(t: Transport, buf, op: ReduceOp):
+def own_op(t: Transport, buf, op: ReduceOp):
     """mpcomm's own ``op`` as an MPI op (``native_calls.reduction_ops``) where native reduces ``buf`` on ``t`` with
     it, else None: float min/max and float sums, avgs and products (``_OP_DTYPES``) in the sizes the library's
-    profile gives them (``mpcomm.mpi_library``), of host buffers over two ranks or more, once every rank of ``t``
-    has agreed it can make them (at its first call that would use them). (Sizes first: a small sum is the
+    profile gives them (``mpcomm.mpi_library``), of host buffers, on a transport whose ranks agreed on them when it
+    was made (:func:`agree_on_ops`). The same answer on every rank for the same call, and no communication: a
+    call that skips this module (the torch backend's C++ all-reduce) asks it too. (Sizes first: a small sum is the
     latency-bound call.)"""
-    ops = t.reduction_ops
-    if ops is None:
-        if t.size == 1 or buf.dtype not in _OP_DTYPES.get(op.name, ()) or type(buf) is not np.ndarray:
-            return None
-        ops = t.reduction_ops = _agreed_ops(t)
-    entry = ops.get(op.name)
+    entry = t.reduction_ops.get(op.name)
     if entry is None:
         return None
     own, above, upto = entry
@@ -175,14 +171,15 @@ def _own_op(t: Transport, buf, op: ReduceOp):
     return own if type(buf) is np.ndarray else None
 
 
-def _agreed_ops(t: Transport) -> dict:
-    """op name -> (mpcomm's MPI op, the bytes of the all-reduces it is used for: more than, at most (None: any)),
-    as the library's profile says and where every rank of ``t`` can make them, else {}: the op that reduces must be
-    the same on every rank (and so is the profile)."""
+def agree_on_ops(t: Transport) -> dict:
+    """Collective over ``t`` (where it is made: never in the middle of calls, which some ranks may make without
+    this module): op name -> (mpcomm's MPI op, the bytes of the all-reduces it is used for: more than, at most
+    (None: any)), as the library's profile says and where every rank of ``t`` can make them, else {}. The op that
+    reduces must be the same on every rank (and so is the profile)."""
     profile = library()
     above, upto = profile.arithmetic_op_bytes
     min_max_upto = None if profile.min_max_op else -1
-    if t.spans_nodes or upto == min_max_upto == -1:  # (across nodes: see mpi_library.Library)
+    if t.size == 1 or t.spans_nodes or upto == min_max_upto == -1:  # (across nodes: see mpi_library.Library)
         return {}
     ops = reduction_ops()
     everyone = np.array([len(ops)], np.int64)
@@ -194,8 +191,8 @@ def _agreed_ops(t: Transport) -> dict:
 
 
 def _min_max_op(t: Transport, buf, op: ReduceOp):
-    """The MPI op that reduces ``buf`` by ``op``: mpcomm's own for float min/max where :func:`_own_op` gives it."""
-    return (op.name in _MIN_MAX and _own_op(t, buf, op)) or op.mpi
+    """The MPI op that reduces ``buf`` by ``op``: mpcomm's own for float min/max where :func:`own_op` gives it."""
+    return (op.name in _MIN_MAX and own_op(t, buf, op)) or op.mpi
 
 
 def meets_then_blocks(t: Transport, profile: Library, nbytes: int) -> bool:

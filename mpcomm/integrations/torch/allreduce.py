@@ -117,7 +117,10 @@ class AllreducePaths:
         plan = self.comm.plan("allreduce", array, red.name, self.algorithm)
         if plan.fn is not REGISTRY["allreduce"]["native"] or not plan.direct or plan.rop.divisor != 1:
             return None
-        if native.meets_then_blocks(self.comm.transport, library(), array.nbytes):  # (the C++ call only polls)
+        t = self.comm.transport
+        if native.meets_then_blocks(t, library(), array.nbytes):  # (the C++ call only polls)
+            return None
+        if native.own_op(t, array, plan.rop) is not None:  # (its MPI op: every rank must reduce with the same)
             return None
         return plan.running(self._native_run)
 
