@@ -17,8 +17,8 @@ def describe() -> str:
     calls = "C" if native_calls.load() is not None else "mpi4py"  # (builds it on first use)
     ops = "mpcomm's" if native_calls.reduction_ops() and library().min_max_op else "MPI's, with passes"
     return (f"mpcomm on {name} | MPI {'.'.join(map(str, MPI.Get_version()))} | thread level {thread} | "
-            f"native's small all-reduce: {calls} | native's float ops on one node: {ops} | mpi4py {mpi4py_version} | "
-            f"numpy {np.__version__} | python {sys.version.split()[0]}")
+            f"native's small all-reduce: {calls} | native's float ops on one node: {ops} | "
+            f"mpi4py {mpi4py_version} | numpy {np.__version__} | python {sys.version.split()[0]}")
 
 
 if __name__ == "__main__":

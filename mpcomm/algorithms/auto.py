@@ -129,7 +129,8 @@ class CostModel:
     # (bench/results/dtype_op.md).
     native_narrow_int_scale: tuple = ((1, 2.0), (2, 1.6))
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
-    # One call of the extension module's float passes (``mpcomm.kernels``: avg's finish), however small, its Python wrapper included (bench/results/observations.md, "The extension's passes").
+    # One call of the extension module's float passes (``mpcomm.kernels``: avg's finish), however small, its Python
+    # wrapper included (bench/results/observations.md, "The extension's passes").
     alpha_kernel: float = 0.3e-6
     # The wire codecs' compiled passes (mpcomm.compression), seconds per byte of the float32 vector: encode,
     # decode, decode-and-add (64 MiB, best of 5, quiet; bench/results/compression.md).

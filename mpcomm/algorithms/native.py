@@ -34,7 +34,6 @@ _REAL = {np.dtype(np.complex64): np.dtype(np.float32), np.dtype(np.complex128): 
 # nor complex prod, whose NaNs and infinities are C's)
 _OP_DTYPES = {MIN: frozenset(KEY_DTYPES), MAX: frozenset(KEY_DTYPES), SUM: frozenset([*KEY_DTYPES, *_REAL]),
               AVG: frozenset(KEY_DTYPES), PROD: frozenset(KEY_DTYPES)}
-_UNMADE = (None, 0, 0)
 _PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) one transport keeps at most
 _ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-reduce, holding the GIL throughout
 
@@ -73,25 +72,27 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
 
 def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
     """``recvbuf`` on ``root`` <- the reduction (``recvbuf`` may be None elsewhere)."""
-    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES and own_op(t, sendbuf, op) is None:
+    mine = _min_max_op(t, sendbuf, op)
+    if mine is None and op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES:
         keys = to_keys(_copy(t, sendbuf), op.name)
         result = recvbuf.view(keys.dtype) if t.rank == root else None
         t.wait_one(t.mpi.Ireduce(keys, result, op.mpi, root))
         if t.rank == root:
             from_keys(result)
         return
-    t.wait_one(t.mpi.Ireduce(sendbuf, recvbuf if t.rank == root else None, _min_max_op(t, sendbuf, op), root))
+    t.wait_one(t.mpi.Ireduce(sendbuf, recvbuf if t.rank == root else None, mine or op.mpi, root))
     if t.rank == root:
         op.finish(recvbuf)
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
-    if op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES and own_op(t, sendbuf, op) is None:
+    mine = _min_max_op(t, sendbuf, op)
+    if mine is None and op.name in _MIN_MAX and sendbuf.dtype in KEY_DTYPES:
         keys = to_keys(_copy(t, sendbuf), op.name)
         t.wait_one(t.mpi.Ireduce_scatter_block(keys, recvbuf.view(keys.dtype), op.mpi))
         from_keys(recvbuf.view(keys.dtype))
         return
-    t.wait_one(t.mpi.Ireduce_scatter_block(sendbuf, recvbuf, _min_max_op(t, sendbuf, op)))
+    t.wait_one(t.mpi.Ireduce_scatter_block(sendbuf, recvbuf, mine or op.mpi))
     op.finish(recvbuf)
 
 
@@ -178,21 +179,26 @@ def agree_on_ops(t: Transport) -> dict:
     reduces must be the same on every rank (and so is the profile)."""
     profile = library()
     above, upto = profile.arithmetic_op_bytes
-    min_max_upto = None if profile.min_max_op else -1
-    if t.size == 1 or t.spans_nodes or upto == min_max_upto == -1:  # (across nodes: see mpi_library.Library)
+    arithmetic = upto is None or upto > above
+    if t.size == 1 or t.spans_nodes or not (profile.min_max_op or arithmetic):  # (nodes: see mpi_library.Library)
         return {}
     ops = reduction_ops()
     everyone = np.array([len(ops)], np.int64)
     _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, everyone, MPI.MIN))
     if not everyone[0]:
         return {}
-    return {MIN: (ops[MIN], -1, min_max_upto), MAX: (ops[MAX], -1, min_max_upto), SUM: (ops[SUM], above, upto),
-            AVG: (ops[SUM], above, upto), PROD: (ops[PROD], above, upto)}
+    agreed: dict[str, tuple[MPI.Op, int, int | None]] = {}
+    if profile.min_max_op:
+        agreed.update({MIN: (ops[MIN], -1, None), MAX: (ops[MAX], -1, None)})
+    if arithmetic:
+        agreed.update({SUM: (ops[SUM], above, upto), AVG: (ops[SUM], above, upto), PROD: (ops[PROD], above, upto)})
+    return agreed
 
 
 def _min_max_op(t: Transport, buf, op: ReduceOp):
-    """The MPI op that reduces ``buf`` by ``op``: mpcomm's own for float min/max where :func:`own_op` gives it."""
-    return (op.name in _MIN_MAX and own_op(t, buf, op)) or op.mpi
+    """mpcomm's own MPI op for a float min/max of ``buf`` where :func:`own_op` gives it, else None (reduce and
+    reduce-scatter keep MPI's ops for the rest: their results are not compared across ranks)."""
+    return own_op(t, buf, op) if op.name in _MIN_MAX else None
 
 
 def meets_then_blocks(t: Transport, profile: Library, nbytes: int) -> bool:
