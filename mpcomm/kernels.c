@@ -5,7 +5,8 @@
  * give numpy's NaN propagation and one answer on every rank), in one pass each way.
  * encode16 / decode16 / encode_int8 / decode_int8: the wire codecs of mpcomm/compression.py.
  * Built with -DMPCOMM_PYTHON where Python.h is found, the same file is also a Python extension (at the end).
- * Every conversion is bitwise the one numpy / ml_dtypes make (round to nearest even; NaN stays NaN); built with
+ * Every conversion is bitwise the one numpy / ml_dtypes make (round to nearest even; NaN stays NaN; AVX512-BF16's
+ * one-instruction rounding only where it does not flush a subnormal to zero); built with
  * -ffp-contract=off, so a multiply then add rounds twice, as numpy's two passes do.
  */
 #ifdef MPCOMM_PYTHON
@@ -51,6 +52,35 @@ static inline uint16_t to_f16(float f) {
     return h;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* 16 elements at a time, the scalar forms' operations lane by lane (so the same bits). */
+static inline __m512 widen16(int kind, const uint16_t *src) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)src);
+    if (kind == FLOAT16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void narrow16(int kind, __m512 f, uint16_t *dst) {
+    if (kind == FLOAT16) {
+        _mm256_storeu_si256((__m256i *)dst, _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
+        return;
+    }
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+    if (!_mm512_fpclass_ps_mask(f, 0x20)) { /* the instruction flushes denormals to zero: those take the long way */
+        _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(f));
+        return;
+    }
+#endif
+    const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
+    __m512i half = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, half), 16);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+}
+#endif
+
 static void widen(int kind, const uint16_t *src, float *acc, int64_t m) {
     int64_t i = 0;
 #ifdef __F16C__
@@ -77,6 +107,9 @@ static void add_widened(int kind, float *acc, const uint16_t *src, int64_t m) {
 static void narrow(int kind, const float *acc, uint16_t *dst, int64_t m) {
     int64_t i = 0;
     if (kind == BFLOAT16) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+        for (; i + 16 <= m; i += 16) narrow16(kind, _mm512_loadu_ps(acc + i), dst + i);
+#endif
         for (; i < m; i++) dst[i] = to_bf16(acc[i]);
         return;
     }
@@ -99,27 +132,6 @@ static void combine(int op, float *acc, const float *x, int64_t m) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-/* 16 elements at a time, the scalar forms' operations lane by lane (so the same bits). */
-static inline __m512 widen16(int kind, const uint16_t *src) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)src);
-    if (kind == FLOAT16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline void narrow16(int kind, __m512 f, uint16_t *dst) {
-    if (kind == FLOAT16) {
-        _mm256_storeu_si256((__m256i *)dst, _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT));
-        return;
-    }
-    const __m512i u = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
-    __m512i half = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, half), 16);
-    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
-    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
-}
-
 /* out <- round((x + y) / divisor) over the first multiple of 16 elements (two chunks' sum or avg, p = 2's case,
  * in one pass with nothing stored in between); returns how many it did. out may be x or y. */
 static int64_t sum2_avx512(int kind, const uint16_t *x, const uint16_t *y, int64_t n, float divisor, uint16_t *out) {

@@ -7,6 +7,7 @@ import ctypes
 import sys
 import threading
 import time
+from typing import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -53,6 +54,16 @@ def low_precision_inputs(dtype, count: int, n: int, seed: int) -> list[np.ndarra
     return out
 
 
+def subnormal_inputs(dtype, count: int, n: int, seed: int) -> list[np.ndarray]:
+    """``count`` vectors of subnormals of both signs: their float32 sums stay subnormal (the bfloat16 instruction
+    would flush them to zero), and their averages over 2 or 4 chunks are rounding ties half the time."""
+    rng = np.random.default_rng([seed, count, n, 1])
+    mantissa = (1 << ml_dtypes.finfo(dtype).nmant) - 1
+    bits = rng.integers(1, mantissa + 1, (count, n), dtype=np.uint16) | (rng.integers(0, 2, (count, n),
+                                                                                     dtype=np.uint16) << 15)
+    return [row.view(dtype) for row in bits]
+
+
 def reference16(chunks: list[np.ndarray], name: str) -> np.ndarray:
     """numpy: float32 in between, left to right, divided by the count for avg, rounded once."""
     acc = chunks[0].astype(np.float32)
@@ -74,8 +85,9 @@ def mismatches(got: np.ndarray, want: np.ndarray, zeros_equal: bool = False) -> 
     return int((~same).sum())
 
 
-def reduce16_mismatches(implementation, dtype, name: str, count: int, n: int, seed: int = 0) -> int:
-    chunks = low_precision_inputs(dtype, count, n, seed)
+def reduce16_mismatches(implementation, dtype, name: str, count: int, n: int, seed: int = 0,
+                        inputs=low_precision_inputs) -> int:
+    chunks = inputs(dtype, count, n, seed)
     op = OPS[name].averaged(count) if name == "avg" else OPS[name]
     out = np.full(n, np.nan, dtype)
     with np.errstate(all="ignore"):
@@ -92,6 +104,16 @@ def test_reduce16_matches_numpy(implementation, dtype, name, count, n):
     if n > 2**16 and (implementation == "numpy" or count in (1, 3)):
         n = 2**16 + 1  # numpy's float16 casts are slow; the large size runs on the compiled kernel
     assert reduce16_mismatches(IMPLEMENTATIONS[implementation](), dtype, name, count, n) == 0
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+@pytest.mark.parametrize("name", OPS_16)
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+def test_reduce16_keeps_subnormals(implementation, dtype, name, count):
+    """Results in the subnormal range, and their ties, round as numpy's do (not flushed to zero)."""
+    assert reduce16_mismatches(IMPLEMENTATIONS[implementation](), dtype, name, count, 1001,
+                               inputs=subnormal_inputs) == 0
 
 
 @pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
@@ -191,12 +213,13 @@ def test_finish_leaves_what_it_does_not_take():
         np.testing.assert_array_equal(array, before)
 
 
-def mutated_library(tmp_path, original: str, broken: str) -> str:
-    """The path of the kernels built from kernels.c with ``original`` (which must be there) replaced by ``broken``."""
+def mutated_library(tmp_path, original: str, broken: str, flags: Sequence[str] = (), count: int = 1) -> str:
+    """The path of the kernels built from kernels.c with ``original`` (which must be there) replaced by ``broken``
+    (``count`` times; -1: everywhere)."""
     compiled()
     source = open(kernels.SOURCE).read()
     assert original in source, f"the mutant {broken!r} no longer applies to kernels.c"
-    return kernels.build(source.replace(original, broken, 1), str(tmp_path))
+    return kernels.build(source.replace(original, broken, count), str(tmp_path), flags)
 
 
 def mutated_extension(tmp_path, original: str, broken: str):
@@ -329,6 +352,17 @@ LANES_MUTANTS = {
 }
 LANES_CAUGHT_BY = {"bfloat16 rounds half up": (BFLOAT16, "sum"), "float16 truncates": (np.dtype(np.float16), "sum"),
                    "avg multiplies by the divisor": (BFLOAT16, "avg")}
+# Where the CPU has AVX512-BF16, the 16-lane pass rounds to bfloat16 in one instruction (which flushes subnormals:
+# those lanes take the integer rounding). The mutants above are built without the instruction, so that the integer
+# rounding they break runs on every lane.
+WITHOUT_BF16_INSTRUCTION = ["-mno-avx512bf16"] if "avx512_bf16" in kernels._cpu_flags().split() else []
+BF16_MUTANTS = {
+    "bfloat16 instruction truncates": ("(__m256i)_mm512_cvtneps_pbh(f)",
+                                       "_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16))"),
+    "subnormals flush to zero": ("_mm512_fpclass_ps_mask(f, 0x20)", "0"),
+}
+BF16_CAUGHT_BY = {"bfloat16 instruction truncates": (BFLOAT16, "sum"),
+                  "subnormals flush to zero": (BFLOAT16, "sum", subnormal_inputs)}
 
 
 @pytest.mark.parametrize("mutant", list(LANES_MUTANTS))
@@ -336,10 +370,27 @@ def test_checks_catch_a_broken_two_chunk_pass(mutant, tmp_path):
     """A broken 16-lane pass (what direct's reduction runs at p = 2) fails the check the real one passes."""
     if "avx512bw" not in kernels._cpu_flags().split():
         pytest.skip("this CPU has no AVX-512BW: the 16-lane pass is not built here")
-    mutated = kernels.Kernels(ctypes.CDLL(mutated_library(tmp_path, *LANES_MUTANTS[mutant])))
-    dtype, name = LANES_CAUGHT_BY[mutant]
-    assert reduce16_mismatches(compiled(), dtype, name, 2, 1001) == 0
-    assert reduce16_mismatches(mutated, dtype, name, 2, 1001) > 0, f"the check missed the mutant {mutant!r}"
+    path = mutated_library(tmp_path, *LANES_MUTANTS[mutant], WITHOUT_BF16_INSTRUCTION)
+    assert_caught(path, LANES_CAUGHT_BY[mutant], 2, mutant)
+
+
+@pytest.mark.parametrize("mutant", list(BF16_MUTANTS))
+def test_checks_catch_a_broken_bfloat16_instruction_pass(mutant, tmp_path):
+    """The one-instruction bfloat16 rounding: a truncating one, or one that lets subnormals flush, is caught."""
+    if "avx512_bf16" not in kernels._cpu_flags().split():
+        pytest.skip("this CPU has no AVX512-BF16: the one-instruction rounding is not built here")
+    assert_caught(mutated_library(tmp_path, *BF16_MUTANTS[mutant]), BF16_CAUGHT_BY[mutant], 2, mutant)
+
+
+def assert_caught(path: str, check: tuple, count: int, mutant: str) -> None:
+    """``check`` ((dtype, op[, inputs]), ``count`` chunks of 1001 elements) passes with the real kernels and fails
+    with the mutated ones at ``path``."""
+    mutated = kernels.Kernels(ctypes.CDLL(path))
+    dtype, name, *rest = check
+    inputs = rest[0] if rest else low_precision_inputs
+    assert reduce16_mismatches(compiled(), dtype, name, count, 1001, inputs=inputs) == 0
+    assert reduce16_mismatches(mutated, dtype, name, count, 1001, inputs=inputs) > 0, \
+        f"the check missed the mutant {mutant!r}"
 
 
 @pytest.mark.parametrize("through", ["extension", "ctypes"])
@@ -357,11 +408,5 @@ def test_key_checks_catch_a_broken_key_pass(through, tmp_path):
 @pytest.mark.parametrize("mutant", list(MUTANTS))
 def test_checks_catch_a_broken_kernel(mutant, tmp_path):
     """A kernel with one deliberate bug, built from a mutated kernels.c, fails the same check the real one passes."""
-    compiled()
-    original, broken = MUTANTS[mutant]
-    source = open(kernels.SOURCE).read()
-    assert original in source, f"the mutant {mutant!r} no longer applies to kernels.c"
-    mutated = kernels.Kernels(ctypes.CDLL(kernels.build(source.replace(original, broken), str(tmp_path))))
-    dtype, name = CAUGHT_BY[mutant]
-    assert reduce16_mismatches(compiled(), dtype, name, 3, 1001) == 0
-    assert reduce16_mismatches(mutated, dtype, name, 3, 1001) > 0, f"the check missed the mutant {mutant!r}"
+    path = mutated_library(tmp_path, *MUTANTS[mutant], WITHOUT_BF16_INSTRUCTION, count=-1)
+    assert_caught(path, CAUGHT_BY[mutant], 3, mutant)
