@@ -10,6 +10,7 @@ import math
 import pathlib
 import shutil
 import tempfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -358,8 +359,8 @@ PRICED_LAYOUTS = [Layout(2, (2,)), Layout(4, (4,), ranks_per_core=2.0), Layout(4
 @pytest.mark.parametrize("layout", PRICED_LAYOUTS, ids=lambda lay: f"{lay.node_sizes}-rpc{lay.ranks_per_core:g}")
 def test_model_prices_each_op_and_dtype(layout):
     """float16/bfloat16 reductions of 1 MiB and more go through direct (the others get them widened to float32:
-    twice the bytes and numpy's casts); native's float min/max cost what its sum does (mpcomm's own MPI ops, no
-    key passes), its int8 more per byte than its int32; and
+    twice the bytes and numpy's casts); native's float min/max cost what its sum does on one node (mpcomm's own MPI
+    ops, no key passes) and a key pass each way more across nodes or without the ops (MPI's), its int8 more per byte than its int32; and
     direct, priced as the ring, never displaces another algorithm for any other dtype (float32 sum unchanged)."""
     from mpcomm.buffers import BFLOAT16
 
@@ -372,8 +373,11 @@ def test_model_prices_each_op_and_dtype(layout):
                 assert selector.choose(operation, 1 << 20, dtype, op) == "direct", (operation, dtype, op)
     f32 = np.dtype(np.float32)
     model = selector.model.for_layout(layout)
-    assert model.call("allreduce", "native", 1 << 16, layout, f32, "max") == \
-        model.call("allreduce", "native", 1 << 16, layout, f32, "sum")
+    for own_ops in (True, False):
+        priced = replace(model, native_min_max_op=own_ops)
+        keys = 0.0 if own_ops and layout.num_nodes == 1 else 2 * (model.alpha_kernel + (1 << 16) * model.pass_byte)
+        assert priced.call("allreduce", "native", 1 << 16, layout, f32, "max") == pytest.approx(
+            priced.call("allreduce", "native", 1 << 16, layout, f32, "sum") + keys, rel=1e-12)
     assert model.call("allreduce", "native", 1 << 20, layout, np.dtype(np.int8), "sum") > \
         model.call("allreduce", "native", 1 << 20, layout, np.dtype(np.int32), "sum")  # MPICH's byte loops
     for dtype in (f32, np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int8)):

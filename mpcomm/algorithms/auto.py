@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import topology
-from ..buffers import AVG, LOW_PRECISION, SUM
+from ..buffers import AVG, LOW_PRECISION, MAX, MIN, SUM
 from ..compression import codec
 from ..kernels import KEY_DTYPES
 from ..mpi_library import library
@@ -115,6 +115,9 @@ class CostModel:
     beta_net: float = 1 / 10e9
     gamma: float = 1 / 8e9
     native_byte_scale: float = 1.5
+    # native's float min/max on one node: mpcomm's own MPI ops (mpi_library.Library.min_max_op), else integer keys
+    # and a pass each way. Across nodes native keeps MPI's ops, so the keys, on every library.
+    native_min_max_op: bool = True
     overlap: bool = True
     # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
     # buffer (bench/results/observations.md, "numpy's casts of 16-bit floats"): float16 and bfloat16 widened to
@@ -240,8 +243,9 @@ class CostModel:
                op: str | None) -> float:
         """Seconds of the local passes over a reduction's data that (algorithm, op, dtype) adds to the collective:
         float16/bfloat16 widened to float32 and back (all but direct; direct's compiled reduction instead),
-        avg's division (of the part each rank finishes). (native reduces float min/max with mpcomm's own MPI ops,
-        no key passes, where ``native_calls`` is built, as the model assumes.)
+        native's float min/max mapped to integer keys and back where it keeps MPI's ops (across nodes, or a library
+        without ``native_min_max_op``; on one node it assumes ``native_calls`` built, as it is where ``mpi.h`` is),
+        avg's division (of the part each rank finishes).
         ``nbytes`` is the user's buffer; the wire bytes are :meth:`wire_bytes`."""
         if op is None or layout.size == 1 or nbytes == 0:
             return 0.0
@@ -253,6 +257,9 @@ class CostModel:
                 total += self.alpha_pass + n * self.kernel16_byte
             else:
                 total += 2 * self.alpha_pass + n * dict(self.widen_bytes)[str(dtype)]
+        keys = layout.num_nodes > 1 or not self.native_min_max_op
+        if algorithm == "native" and op in (MIN, MAX) and keys and (dtype.kind == "f" or dtype in LOW_PRECISION):
+            total += 2 * (self.alpha_kernel + wire * self.pass_byte)  # to keys and back
         if op == AVG:
             total += self.avg_finish(algorithm, wire, p, dtype)
         return total
@@ -411,7 +418,9 @@ class Selector:
         the same library on every rank, so the same choices)."""
         from . import REGISTRY
 
-        layout, model, network = Layout.of(comm), replace(CostModel(), **dict(library().cost_model)), None
+        profile = library()
+        layout, network = Layout.of(comm), None
+        model = replace(CostModel(), native_min_max_op=profile.min_max_op, **dict(profile.cost_model))
         if probe is None:
             probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
         if layout.num_nodes > 1 and probe:
