@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.mpcomm-installed
 MPI_TIMEOUT ?= 900
 RANKS ?= 4
 
-.PHONY: install run typecheck test test-serial test-mpi test-torch test-torch-version test-cluster test-openmpi bench soak clean
+.PHONY: install run typecheck test test-serial test-mpi test-torch test-torch-version test-cluster test-cluster-openmpi test-openmpi bench soak clean
 
 EXTRAS  ?= test,plot
 
@@ -84,6 +84,11 @@ test-torch-version: $(STAMP)
 # root or user namespaces, else it says why and skips): 2 nodes x 2 ranks and 4 x 1.
 test-cluster: $(STAMP)
 	timeout 1200 tests/cluster/run.sh
+
+# The same multi-node tests on Open MPI (ci/cluster.sh starts PRRTE's daemons through its nsexec).
+test-cluster-openmpi: $(OMPI_STAMP)
+	CLUSTER_MPIEXEC=$(abspath $(OMPI_VENV))/bin/mpiexec PYTHON=$(abspath $(OMPI_PY)) CLUSTER_SCRIPT_TESTS=0 \
+		timeout 1200 tests/cluster/run.sh
 
 # The long soak (bench/soak.py): SOAK_CALLS seeded random collectives at p = 2, 3, 4, each checked against numpy;
 # fails on a wrong result, on RSS growing more than SOAK_RSS_MIB after the first fifth, or on fds / threads changing.

@@ -14,7 +14,9 @@
 #
 # What COMMAND (run on node0, as root inside the namespaces) gets:
 #   PATH       starts with a directory holding `mpiexec`: the MPICH wheel's hydra mpiexec ($CLUSTER_MPIEXEC, default
-#              .venv/bin/mpiexec) with `-launcher ssh -launcher-exec $MPCOMM_CLUSTER_EXEC -hosts node0,... -ppn R`;
+#              .venv/bin/mpiexec) with `-launcher ssh -launcher-exec $MPCOMM_CLUSTER_EXEC -hosts node0,... -ppn R`,
+#              or, where $CLUSTER_MPIEXEC is Open MPI's (PRRTE), with `--prtemca plm_ssh_agent $MPCOMM_CLUSTER_EXEC
+#              --host node0:R,...` and OMPI_MCA_* / PRTE_MCA_* set for nic0 (see inside());
 #              $MPIEXEC names the same wrapper. `mpiexec -n NODES*R ...` fills every node.
 #   MPCOMM_CLUSTER_EXEC   `$MPCOMM_CLUSTER_EXEC nodeK CMD...` runs CMD on node K (e.g. `ip link set nic0 down`);
 #              hydra calls it as its "ssh" (`-x nodeK proxy-command...`).
@@ -135,12 +137,28 @@ node=\$1; shift
 [ -e "$RUN/uts/\$node" ] || { echo "nsexec: no node \$node (have: ${names[*]})" >&2; exit 2; }
 exec nsenter --uts="$RUN/uts/\$node" ip netns exec "\$node" sh -c "\$*"
 EOF
-    local hostlist
-    hostlist=$(IFS=,; echo "${names[*]}")
-    cat > "$RUN/bin/mpiexec" <<EOF
+    local hostlist slots
+    if "$mpiexec" --version 2>/dev/null | grep -q "Open MPI"; then
+        # PRRTE starts its daemons through nsexec as its "ssh"; R slots a node, filled in order. Its TCP transport
+        # and daemons use nic0; ob1 keeps TCP between nodes, shared memory inside one (pml ucx would take UCX_TLS,
+        # TCP only, inside a node too). The nodes share the host's cores, which Open MPI cannot see: its ranks
+        # yield while they wait, as it makes them do when it knows the cores are oversubscribed (spinning, they
+        # took 10-100x as long; bench/results/cluster.md).
+        slots=$(printf "%s:$rpn," "${names[@]}")
+        cat > "$RUN/bin/mpiexec" <<EOF
+#!/bin/sh
+exec "$mpiexec" --prtemca plm_ssh_agent "$RUN/bin/nsexec" --host ${slots%,} --map-by slot --bind-to none "\$@"
+EOF
+        export OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,sm,tcp OMPI_MCA_btl_tcp_if_include=nic0
+        export PRTE_MCA_oob_tcp_if_include=nic0 OMPI_MCA_mpi_yield_when_idle=1
+        export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # (root inside the namespaces)
+    else
+        hostlist=$(IFS=,; echo "${names[*]}")
+        cat > "$RUN/bin/mpiexec" <<EOF
 #!/bin/sh
 exec "$mpiexec" -launcher ssh -launcher-exec "$RUN/bin/nsexec" -hosts $hostlist -ppn $rpn "\$@"
 EOF
+    fi
     chmod +x "$RUN/bin/nsexec" "$RUN/bin/mpiexec"
 
     export PATH="$RUN/bin:$PATH" MPIEXEC="$RUN/bin/mpiexec" MPCOMM_CLUSTER_EXEC="$RUN/bin/nsexec"

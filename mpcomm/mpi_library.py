@@ -13,6 +13,8 @@ han) at every size. Two other ways keep the deadline, and each library uses thos
   call's count, dtype and op, which also catches ranks that disagree on them), then make the blocking call: once
   every rank is in the same call, only the library itself could keep it from finishing, as with a non-blocking
   call that has started on every rank. The meeting costs one small all-reduce: it pays for large messages only.
+  Only on one node: across nodes a link can go down in the middle of the call, which a blocking call would then
+  wait out forever (on the simulated cluster, Open MPI's ranks on the other node never returned).
 
 The library is the same on every rank of a job, so every choice made from it is the same on every rank. auto's
 cost model takes its constants for ``native`` from the library's profile too (``cost_model``).

@@ -254,3 +254,12 @@ def test_the_blocking_way_is_left_where_ranks_share_cores():
     assert native.meets_then_blocks(t, forced("meet+blocking"), 8)
     assert not native.meets_then_blocks(t, forced("nonblocking"), 1 << 20)
 
+
+def test_the_blocking_way_is_never_taken_across_nodes():
+    """A blocking call cannot be abandoned at the deadline: across nodes, where a link can go down in the middle of
+    it (tests/cluster/test_jobs.py), native polls the non-blocking call, even where a benchmark forces the other."""
+    t = Transport(MPI.COMM_SELF, 5.0)
+    t.spans_nodes = True
+    assert not native.meets_then_blocks(t, replace(library(), blocking_above=1024), 1 << 20)
+    assert not native.meets_then_blocks(t, forced("meet+blocking"), 8)
+

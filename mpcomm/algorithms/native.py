@@ -202,8 +202,9 @@ def _min_max_op(t: Transport, buf, op: ReduceOp):
 
 
 def meets_then_blocks(t: Transport, profile: Library, nbytes: int) -> bool:
-    """Whether an all-reduce of ``nbytes`` on ``t`` meets, then makes the blocking call (the same on every rank)."""
-    return (profile.blocking_above is not None and nbytes > profile.blocking_above
+    """Whether an all-reduce of ``nbytes`` on ``t`` meets, then makes the blocking call (the same on every rank).
+    Never across nodes: a link lost in the middle of the blocking call would hold it past the deadline, forever."""
+    return (profile.blocking_above is not None and nbytes > profile.blocking_above and not t.spans_nodes
             and (profile.blocking_on_shared_cores or not t.cores_shared))
 
 
