@@ -63,10 +63,11 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # behind the meeting + blocking call from 64 KiB on an idle node; below it the meeting costs as much as it saves.
     # Open MPI runs a user op as fast as its SUM at every size, so a float sum needs no NaN pass after it; then
     # native moves 2-16 MiB all-reduces in 0.9x the time of mpcomm's rhd and ring; 1.0 keeps avg (a pass more) off
-    # native where the ring, which divides in its last addition, is faster (openmpi.md).
+    # native where the ring, which divides in its last addition, is faster (openmpi.md). Across nodes native polls
+    # libnbc's in-place all-reduce: a binomial reduce and broadcast, not node-aware (cluster.md).
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=32 << 10, min_max_op=True,
                        arithmetic_op_bytes=(0, None),
-                       cost_model=(("native_byte_scale", 1.0),)),
+                       cost_model=(("native_byte_scale", 1.0), ("native_across_nodes", "binomial"))),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).
 UNKNOWN = Library("unknown", persistent_upto=0, blocking_above=None)

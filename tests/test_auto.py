@@ -387,6 +387,22 @@ def test_model_prices_each_op_and_dtype(layout):
                     assert selector.choose(operation, n, dtype, op) == before.choose(operation, n, dtype, op)
 
 
+def test_native_across_nodes_is_priced_as_the_librarys_algorithm():
+    """MPICH's all-reduce across nodes is node-aware (each node's link carries n at 2 x 2); Open MPI's in-place
+    non-blocking one, which native polls there, is a binomial reduce and broadcast: mpcomm's tree, run in C. On one
+    node both are priced alike."""
+    from mpcomm.mpi_library import PROFILES
+
+    model, n = replace(CostModel(), beta_net=1 / 125e6), 1 << 20  # (1 Gbit/s: what the link carries decides)
+    binomial = replace(model, native_across_nodes="binomial")
+    nodes, node = Layout(4, (2, 2)), Layout(4, (4,))
+    assert binomial.allreduce("native", n, nodes) == pytest.approx(model.tree(n, nodes, model.alpha_native), rel=1e-12)
+    assert model.allreduce("native", n, nodes) < binomial.allreduce("native", n, nodes)
+    assert binomial.allreduce("native", n, node) == model.allreduce("native", n, node)
+    assert dict(PROFILES["openmpi"].cost_model)["native_across_nodes"] == "binomial"
+    assert dict(PROFILES["mpich"].cost_model).get("native_across_nodes", model.native_across_nodes) == "node_aware"
+
+
 @pytest.mark.parametrize("layout", PRICED_LAYOUTS, ids=lambda lay: f"{lay.node_sizes}-rpc{lay.ranks_per_core:g}")
 def test_avg_is_priced_where_its_division_runs(layout):
     """avg's division costs what the code does: nothing beside the ring's, pipelined ring's and direct's last

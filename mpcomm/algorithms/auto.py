@@ -118,6 +118,9 @@ class CostModel:
     # native's float min/max on one node: mpcomm's own MPI ops (mpi_library.Library.min_max_op), else integer keys
     # and a pass each way. Across nodes native keeps MPI's ops, so the keys, on every library.
     native_min_max_op: bool = True
+    # Across nodes native polls the library's non-blocking all-reduce: MPICH's is node-aware; Open MPI's (libnbc)
+    # runs an in-place one as a binomial reduce, then a binomial broadcast ("binomial"; bench/results/cluster.md).
+    native_across_nodes: str = "node_aware"
     overlap: bool = True
     # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
     # buffer (bench/results/observations.md, "numpy's casts of 16-bit floats"): float16 and bfloat16 widened to
@@ -338,9 +341,12 @@ class CostModel:
         is node-aware, like MPICH's SMP path: reduce to the node's first rank, all-reduce among those, broadcast
         in the node (the node's link carries what one rank sends, as for ``hierarchical``). Bytes on the network
         go at the link's rate whoever sends them: on 2 x 2 simulated nodes at 1 Gbit/s native took hierarchical's
-        time, the same bytes on each NIC, where the scale had priced it well above (bench/results/cluster.md)."""
+        time, the same bytes on each NIC, where the scale had priced it well above (bench/results/cluster.md).
+        Where the library's is a binomial tree (``native_across_nodes``), it is mpcomm's tree run in C."""
         if layout.num_nodes == 1:
             return self._native_scaled(lambda m: self.rhd(m, layout, self.alpha_native), n)
+        if self.native_across_nodes == "binomial":
+            return self.tree(n, layout, self.alpha_native)
         node = Layout(layout.ranks_per_node, (layout.ranks_per_node,))
         return (self._native_scaled(lambda m: self.tree(m, node, self.alpha_native), n)
                 + self._across(n, layout.num_nodes, 1, self.alpha_native))
