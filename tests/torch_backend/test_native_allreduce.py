@@ -48,6 +48,14 @@ def inputs(n: int, dtype, salt: int = 0) -> list[torch.Tensor]:
     return [((torch.arange(n) * (salt + 3) + 7 * r + salt) % 4 + low).to(dtype) for r in range(SIZE)]
 
 
+def takes_cpp_path(group, tensor: torch.Tensor) -> bool:
+    """Whether the C++ path takes a SUM of ``tensor`` (auto plans native with MPI's own op: not a float sum that
+    native reduces with mpcomm's, as on Open MPI at every size)."""
+    comm = backend_of(group).comm
+    planned = comm.plan("allreduce", tensor.numpy(), "sum", "auto")
+    return planned.algorithm == "native" and native.own_op(comm.transport, tensor.numpy(), planned.rop) is None
+
+
 def sync_opts() -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
     opts.asyncOp = False  # what dist.all_reduce(t) passes
@@ -124,12 +132,13 @@ def test_taken_where_auto_plans_native_and_equal_to_numpy(pg, dtype):
 @pytest.mark.skipif(SIZE < 2, reason="NaNs are made canonical when ranks combine them")
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_nans_come_out_as_numpys_on_every_rank(pg, dtype):
-    """NaNs of different signs and payloads on different ranks: numpy's nan, the same bits everywhere."""
+    """NaNs of different signs and payloads on different ranks: numpy's nan, the same bits everywhere (through the
+    C++ path where it takes float sums, else through native's own op)."""
     np_dtype, bits = (np.float32, np.uint32) if dtype is torch.float32 else (np.float64, np.uint64)
     other_nan = (np.array([np.nan], dtype=np_dtype).view(bits) | (RANK + 1)).view(np_dtype)[0]  # a payload
     raw = np.array([np.nan, -np.nan, other_nan, 1.0] if RANK % 2 == 0 else [1.0, 2.0, other_nan, 1.0], np_dtype)
     tensor = torch.from_numpy(raw.copy())
-    assert backend_of(pg)._native_plan(tensor, sync_opts()) is not None
+    assert (backend_of(pg)._native_plan(tensor, sync_opts()) is not None) == takes_cpp_path(pg, tensor)
     dist.all_reduce(tensor)
     result = tensor.numpy()
     assert_bitwise_equal(gather(result), "sum with NaNs")
@@ -169,7 +178,7 @@ def test_other_calls_take_the_general_path_and_agree(pg):
 @several
 def test_a_tensor_that_requires_grad_is_reduced_in_place(pg):
     weight = torch.nn.Parameter(inputs(5, torch.float32)[RANK].clone())
-    assert backend_of(pg)._native_plan(weight, sync_opts()) is not None
+    assert (backend_of(pg)._native_plan(weight, sync_opts()) is not None) == takes_cpp_path(pg, weight.detach())
     with torch.no_grad():
         dist.all_reduce(weight)
     expected = np.sum([t.numpy() for t in inputs(5, torch.float32)], axis=0)
@@ -194,14 +203,14 @@ def test_where_native_meets_then_blocks_the_cpp_path_steps_aside(pg, monkeypatch
 def test_a_tuning_table_that_prefers_another_algorithm_is_followed(pg):
     """auto's choice changes with a table (here: tree measured alone at 8 bytes): the C++ path steps aside and
     the call runs tree; the Communicator's plans and the extension's agree again afterwards."""
-    tensor = torch.ones(2)
+    tensor = torch.ones(2, dtype=torch.int32)  # (the C++ path's on every library: no mpcomm op for integers)
     assert backend_of(pg)._native_plan(tensor, sync_opts()) is not None
     in_step(lambda: backend_of(pg).comm.tune(sizes=[8], repeats=1, algorithms=["tree"], verbose=False))
     assert backend_of(pg)._native_plan(tensor, sync_opts()) is None
     before = calls(pg, "tree")
     dist.all_reduce(tensor)
     assert calls(pg, "tree") == before + 1
-    assert tensor.tolist() == [float(SIZE)] * 2
+    assert tensor.tolist() == [SIZE] * 2
 
 
 @pytest.mark.mpi
@@ -212,7 +221,7 @@ def test_a_rank_that_never_comes_is_a_timeout_and_the_group_is_unusable(pg):
     group = dist.new_group(timeout=timedelta(seconds=1))
 
     def rank0():
-        tensor = torch.ones(2)
+        tensor = torch.ones(2, dtype=torch.int32)
         assert backend_of(group)._native_plan(tensor, sync_opts()) is not None
         start = time.monotonic()
         with pytest.raises(dist.DistBackendError, match=" timeout "):
@@ -231,11 +240,11 @@ def test_sub_groups_run_on_their_own_communicators(pg):
     forward, backward = dist.new_group(list(range(SIZE))), dist.new_group(list(reversed(range(SIZE))))
     results = {}
     for name, group in (("forward", forward), ("backward", backward)):
-        tensor = torch.full((3,), float(RANK + 1))
+        tensor = torch.full((3,), RANK + 1, dtype=torch.int32)
         assert backend_of(group)._native_plan(tensor, sync_opts()) is not None
         dist.all_reduce(tensor, group=group)
         results[name] = tensor.tolist()
-    assert results == {name: [SIZE * (SIZE + 1) / 2] * 3 for name in results}
+    assert results == {name: [SIZE * (SIZE + 1) // 2] * 3 for name in results}
 
 
 @pytest.mark.mpi
@@ -246,11 +255,11 @@ def test_validate_compares_the_calls_on_the_cpp_path_too(pg, monkeypatch):
     monkeypatch.setenv("MPCOMM_VALIDATE", "1")
     group = dist.new_group()
     assert backend_of(group).comm.validate
-    tensor = torch.full((4,), float(RANK))
+    tensor = torch.full((4,), RANK, dtype=torch.int32)
     assert backend_of(group)._native_plan(tensor, sync_opts()) is not None
     dist.all_reduce(tensor, group=group)
-    assert tensor.tolist() == [SIZE * (SIZE - 1) / 2] * 4
-    mismatched = torch.ones(3 if RANK == 0 else 4)
+    assert tensor.tolist() == [SIZE * (SIZE - 1) // 2] * 4
+    mismatched = torch.ones(3 if RANK == 0 else 4, dtype=torch.int32)
     assert backend_of(group)._native_plan(mismatched, sync_opts()) is not None
     with pytest.raises(dist.DistBackendError, match="CollectiveMismatchError"):
         dist.all_reduce(mismatched, group=group)
