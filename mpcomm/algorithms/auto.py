@@ -270,15 +270,15 @@ class CostModel:
     def avg_finish(self, algorithm: str, wire: float, p: int, dtype: np.dtype) -> float:
         """Seconds avg's division adds to a sum of ``wire`` bytes. Where the extension does it for a float32/float64
         wire it costs its call at most: native's is one extension pass, with the NaN check a large sum makes anyway
-        (a small sum checks inside its one C call), writing the vector back; the ring's, pipelined ring's and
-        direct's rides on their last addition (one pass either way), and direct's float16/bfloat16 divide in their
-        reduction pass. Otherwise it is a numpy pass of its own over what the rank finishes (tree: the whole
+        (a small sum checks inside its one C call), writing the vector back; the ring's, pipelined ring's, rhd's
+        and direct's rides on their last addition (one pass either way), and direct's float16/bfloat16 divide in
+        their reduction pass. Otherwise it is a numpy pass of its own over what the rank finishes (tree: the whole
         vector; the others: 1/p of it)."""
         widened = dtype in LOW_PRECISION and algorithm not in KEEP_LOW_PRECISION
         by_extension = widened or dtype in KEY_DTYPES
         if algorithm == "native" and by_extension:
             return self.alpha_kernel + wire * self.pass_byte
-        if algorithm in ("ring", "ring_pipelined", "direct") and (by_extension or dtype in LOW_PRECISION):
+        if algorithm in ("ring", "ring_pipelined", "rhd", "direct") and (by_extension or dtype in LOW_PRECISION):
             return 0.0
         return self.alpha_pass + wire * self.pass_byte / (1 if algorithm in ("native", "tree") else p)
 

@@ -9,6 +9,7 @@ both partners; at the end the odd ranks hand the result back.
 from __future__ import annotations
 
 from ..buffers import ReduceOp
+from ..kernels import combine_finished
 from ..transport import Transport
 from .chunks import chunk_bounds, equal_bounds
 
@@ -53,8 +54,9 @@ def _span(blocks, lo: int, hi: int) -> slice:
     return slice(blocks[lo][0], blocks[hi - 1][1])
 
 
-def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks) -> None:
-    """In place on the virtual group: afterwards ``buf[blocks[vrank]]`` holds its fully reduced block."""
+def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks, finish: bool = False) -> None:
+    """In place on the virtual group: afterwards ``buf[blocks[vrank]]`` holds its fully reduced block (``finish``:
+    finished by the last round's reduction, as the ring's last step does: avg's division in the same pass)."""
     vrank, lo, hi = fold.index, 0, fold.p2
     incoming = t.scratch("rhd.recv", buf.size, buf.dtype, like=buf)
     mask = fold.p2 // 2
@@ -64,9 +66,14 @@ def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks)
         kept = buf[_span(blocks, *keep)]
         received = incoming[: kept.size]
         t.sendrecv(buf[_span(blocks, *give)], fold.real(vrank ^ mask), received, fold.real(vrank ^ mask))
-        op(kept, received, out=kept)
+        if finish and mask == 1:
+            combine_finished(kept, received, kept, op)
+        else:
+            op(kept, received, out=kept)
         lo, hi = keep
         mask //= 2
+    if finish and fold.p2 == 1:  # (no round to finish in)
+        op.finish(buf[_span(blocks, lo, hi)])
 
 
 def doubling_all_gather(t: Transport, fold: _Fold, buf, blocks) -> None:
@@ -82,14 +89,14 @@ def doubling_all_gather(t: Transport, fold: _Fold, buf, blocks) -> None:
         mask <<= 1
 
 
-def fold_and_halve(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks) -> None:
+def fold_and_halve(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks, finish: bool = False) -> None:
     """The odd rank of a folded pair adds its partner's vector in, then the virtual group reduce-scatters by
-    recursive halving: afterwards ``buf[blocks[vrank]]`` is fully reduced (not yet finished)."""
+    recursive halving: afterwards ``buf[blocks[vrank]]`` is fully reduced (and finished, with ``finish``)."""
     if t.rank < 2 * fold.rem:
         incoming = t.scratch("rhd.fold", buf.size, buf.dtype, like=buf)
         t.recv(incoming, t.rank - 1)
         op(buf, incoming, out=buf)
-    halving_reduce_scatter(t, fold, buf, op, blocks)
+    halving_reduce_scatter(t, fold, buf, op, blocks, finish)
 
 
 def binomial_gather_blocks(t: Transport, fold: _Fold, buf, blocks, vroot: int) -> None:
@@ -124,8 +131,7 @@ def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
             t.recv(recvbuf, t.rank + 1)
         return
     blocks = chunk_bounds(work.size, fold.p2)
-    fold_and_halve(t, fold, work, op, blocks)
-    op.finish(work[slice(*blocks[fold.vrank])])
+    fold_and_halve(t, fold, work, op, blocks, finish=True)
     binomial_gather_blocks(t, fold, work, blocks, vroot)
     if fold.vrank == vroot:
         if t.rank == root:
@@ -141,8 +147,7 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         t.recv(buf, t.rank + 1)
         return
     blocks = chunk_bounds(buf.size, fold.p2)
-    fold_and_halve(t, fold, buf, op, blocks)
-    op.finish(buf[slice(*blocks[fold.vrank])])
+    fold_and_halve(t, fold, buf, op, blocks, finish=True)
     doubling_all_gather(t, fold, buf, blocks)
     if t.rank < 2 * fold.rem:
         t.send(buf, t.rank - 1)
