@@ -360,7 +360,8 @@ PRICED_LAYOUTS = [Layout(2, (2,)), Layout(4, (4,), ranks_per_core=2.0), Layout(4
 def test_model_prices_each_op_and_dtype(layout):
     """float16/bfloat16 reductions of 1 MiB and more go through direct (the others get them widened to float32:
     twice the bytes and numpy's casts); native's float min/max cost what its sum does on one node (mpcomm's own MPI
-    ops, no key passes) and a key pass each way more across nodes or without the ops (MPI's), its int8 more per byte than its int32; and
+    ops, no key passes) and a key pass each way more across nodes or without the ops (MPI's), its int8 more per
+    byte than its int32; and
     direct, priced as the ring, never displaces another algorithm for any other dtype (float32 sum unchanged)."""
     from mpcomm.buffers import BFLOAT16
 
@@ -396,7 +397,8 @@ def test_native_across_nodes_is_priced_as_the_librarys_algorithm():
     model, n = replace(CostModel(), beta_net=1 / 125e6), 1 << 20  # (1 Gbit/s: what the link carries decides)
     binomial = replace(model, native_across_nodes="binomial")
     nodes, node = Layout(4, (2, 2)), Layout(4, (4,))
-    assert binomial.allreduce("native", n, nodes) == pytest.approx(model.tree(n, nodes, model.alpha_native), rel=1e-12)
+    tree_in_c = model.tree(n, nodes, model.alpha_native)
+    assert binomial.allreduce("native", n, nodes) == pytest.approx(tree_in_c, rel=1e-12)
     assert model.allreduce("native", n, nodes) < binomial.allreduce("native", n, nodes)
     assert binomial.allreduce("native", n, node) == model.allreduce("native", n, node)
     assert dict(PROFILES["openmpi"].cost_model)["native_across_nodes"] == "binomial"

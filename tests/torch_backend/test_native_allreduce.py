@@ -48,11 +48,11 @@ def inputs(n: int, dtype, salt: int = 0) -> list[torch.Tensor]:
     return [((torch.arange(n) * (salt + 3) + 7 * r + salt) % 4 + low).to(dtype) for r in range(SIZE)]
 
 
-def takes_cpp_path(group, tensor: torch.Tensor) -> bool:
-    """Whether the C++ path takes a SUM of ``tensor`` (auto plans native with MPI's own op: not a float sum that
-    native reduces with mpcomm's, as on Open MPI at every size)."""
+def takes_cpp_path(group, tensor: torch.Tensor, op: str = "sum") -> bool:
+    """Whether the C++ path takes an all-reduce of ``tensor`` by ``op`` (mpcomm's name): where auto plans native
+    with MPI's own op, not where native reduces with mpcomm's (float sums on Open MPI at every size)."""
     comm = backend_of(group).comm
-    planned = comm.plan("allreduce", tensor.numpy(), "sum", "auto")
+    planned = comm.plan("allreduce", tensor.numpy(), op, "auto")
     return planned.algorithm == "native" and native.own_op(comm.transport, tensor.numpy(), planned.rop) is None
 
 
@@ -114,10 +114,7 @@ def test_taken_where_auto_plans_native_and_equal_to_numpy(pg, dtype):
             opts.reduceOp = getattr(R, op)
             plan = backend_of(pg)._native_plan(tensor, opts)
             array = tensor.numpy()
-            comm = backend_of(pg).comm
-            planned = comm.plan("allreduce", array, NAMES[op], "auto")
-            with_mpis_op = native.own_op(comm.transport, array, planned.rop) is None
-            assert (plan is not None) == (planned.algorithm == "native" and with_mpis_op), (op, n)
+            assert (plan is not None) == takes_cpp_path(pg, tensor, NAMES[op]), (op, n)
             before = calls(pg, "native")
             dist.all_reduce(tensor, op=getattr(R, op))
             expected = NUMPY[op].reduce(np.stack([t.numpy() for t in everyone]), axis=0)
