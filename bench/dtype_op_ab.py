@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 
 FIXED_ONLY = ("auto", "mpi4py-raw")
 
@@ -68,13 +69,27 @@ def big(runs: dict[str, list[dict]]) -> None:
                 print(f"  {dtype} {size >> 20:3d} MiB: " + "  ".join(cells))
 
 
+def cells(runs: dict[str, list[dict]]) -> None:
+    print("median time after / median time before, per (dtype, op, size) and algorithm (raw: the MPI call itself,"
+          " unchanged: the drift between the trees' runs)")
+    before, after = runs["before"], runs["after"]
+    keys = sorted(set(before[0]) & set(after[0]))
+    algorithms = sorted({key[3] for key in keys})
+    print(f"{'':24}" + "".join(f"{a[:14]:>15}" for a in algorithms))
+    for dtype, op, size in sorted({key[:3] for key in keys}):
+        medians = [statistics.median(r[(dtype, op, size, a)] for r in after)
+                   / statistics.median(r[(dtype, op, size, a)] for r in before) for a in algorithms]
+        print(f"{dtype:8} {op:4} {size >> 10:7d} KiB" + "".join(f"{m:15.2f}" for m in medians))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", nargs="*", default=[], help="runs of -b 8 -e 4K, ops sum/max/min/avg, native")
     parser.add_argument("--mid", nargs="*", default=[], help="runs of -b 32K -e 16M, ops sum/avg/max")
     parser.add_argument("--big", nargs="*", default=[], help="runs of float32/bfloat16/float16 sums from 4 MiB")
+    parser.add_argument("--cells", nargs="*", default=[], help="runs of trees named before and after, any cells")
     args = parser.parse_args()
-    for paths, report in ((args.small, small), (args.mid, mid), (args.big, big)):
+    for paths, report in ((args.small, small), (args.mid, mid), (args.big, big), (args.cells, cells)):
         if paths:
             report(load(paths))
 

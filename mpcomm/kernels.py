@@ -57,7 +57,7 @@ LOADED = _Loaded.LOADED
 class Kernels:
     """The compiled library's functions, typed for ctypes; ``module``: the same library imported as an extension
     (None where it was built without Python's headers): its ``float_keys``/``from_keys`` are used if present, and
-    its ``finish``/``add_finish`` only through it (:func:`finish_floats`, :func:`combine_finished`)."""
+    its ``finish``/``add_finish`` only through it (:func:`finish_floats`, :func:`combine`)."""
 
     def __init__(self, library: ctypes.CDLL, module=None):
         pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -210,8 +210,8 @@ def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | _Loaded | 
     if out is not chunks[0]:
         out[...] = chunks[0]
     for chunk in chunks[1:-1]:
-        op(out, chunk)
-    combine_finished(out, chunks[-1], out, op)
+        combine(out, chunk, out, op)
+    combine(out, chunks[-1], out, op, finish=True)
 
 
 def finish_floats(floats, divisor: int) -> bool | None:
@@ -227,18 +227,21 @@ def finish_floats(floats, divisor: int) -> bool | None:
         return None
 
 
-def combine_finished(a, b, out, op: ReduceOp) -> None:
-    """``out`` <- ``a (op) b``, finished (avg: divided): for float32/float64 avg one pass of the extension (the
-    same two roundings), else numpy's op then ``op.finish``. ``out`` may be ``a``."""
-    kernels = load() if op.name == AVG and out.dtype in KEY_DTYPES and type(out) is np.ndarray else None
+def combine(a, b, out, op: ReduceOp, finish: bool = False) -> None:
+    """``out`` <- ``a (op) b`` (``finish``: finished, avg divided). float32/float64 sums and averages take one pass
+    of the extension: inside an all-reduce numpy's add took 1.4x its time at 256 KiB (bench/results/dtype_op.md,
+    "Stop 32"); the rest numpy's op, then ``op.finish``. ``out`` may be ``a``."""
+    summed = op.ufunc is np.add and out.dtype in KEY_DTYPES and type(out) is np.ndarray
+    kernels = load() if summed else None
     if kernels is not None and kernels.module is not None:
         try:
-            kernels.module.add_finish(a, b, out, op.divisor)
+            kernels.module.add_finish(a, b, out, op.divisor if finish else 1)
             return
         except (BufferError, ValueError):  # (not contiguous: refused before any element is written)
             pass
     op(a, b, out=out)
-    op.finish(out)
+    if finish:
+        op.finish(out)
 
 
 def to_keys(floats, op: str, kernels: Kernels | _Loaded | None = LOADED):

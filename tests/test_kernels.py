@@ -236,8 +236,9 @@ def test_finish_check_catches_a_broken_finish(tmp_path):
 
 
 def combine_mismatches(combine, dtype, divisor: int) -> int:
-    """Elements where ``combine(a, b, out, avg / divisor)`` (out = a) differs in bits from numpy's add, then
-    division; over subnormals to the largest values (sums that overflow), infinities and NaN."""
+    """Elements where ``combine(a, b, out, op)`` (out = a; op: avg over ``divisor`` ranks, 1: sum) differs in bits
+    from numpy's add, then division; over subnormals to the largest values (sums that overflow), infinities and
+    NaN (two NaN of other payloads: the first one's, as numpy's add keeps)."""
     info = np.finfo(dtype)
     rng = np.random.default_rng(divisor + 7)
     with np.errstate(all="ignore"):
@@ -245,17 +246,34 @@ def combine_mismatches(combine, dtype, divisor: int) -> int:
                 .astype(dtype) for _ in range(2))
         a[:6] = [np.nan, np.inf, -np.inf, info.max, 0.0, -0.0]
         b[:6] = [1.0, -np.inf, 1.0, info.max, -0.0, -0.0]
-        expected = np.divide(np.add(a, b), divisor)
-        combine(a, b, a, OPS["avg"].averaged(divisor))
+        bits = a.view(f"u{a.itemsize}")
+        a[6], b[6] = -np.nan, np.nan
+        bits[6] |= 1  # (another payload than b's)
+        expected = np.add(a, b)
+        if divisor > 1:
+            expected = np.divide(expected, divisor)
+        combine(a, b, a, OPS["avg"].averaged(divisor) if divisor > 1 else OPS["sum"])
     return int((a.view(f"u{a.itemsize}") != expected.view(f"u{a.itemsize}")).sum())
 
 
-@pytest.mark.parametrize("divisor", [2, 3, 4, 6, 1024])
+def combine_finishing(a, b, out, op):
+    kernels.combine(a, b, out, op, finish=True)
+
+
+@pytest.mark.parametrize("divisor", [1, 2, 3, 4, 6, 1024])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=str)
-def test_combine_finished_is_numpys_add_then_division(dtype, divisor):
-    """avg's last addition and its finish in one pass: numpy's two passes, bit for bit."""
+def test_combine_is_numpys_add_then_division(dtype, divisor):
+    """A sum's addition, and avg's last addition with its finish, in one pass: numpy's passes, bit for bit."""
     compiled()
-    assert combine_mismatches(kernels.combine_finished, dtype, divisor) == 0
+    assert combine_mismatches(combine_finishing, dtype, divisor) == 0
+
+
+def test_combine_without_finish_leaves_avg_undivided():
+    """avg's additions before the last one are plain sums."""
+    compiled()
+    a, b = np.arange(5, dtype=np.float32), np.full(5, 0.5, np.float32)
+    kernels.combine(a, b, a, OPS["avg"].averaged(4))
+    np.testing.assert_array_equal(a, np.arange(5, dtype=np.float32) + 0.5, strict=True)
 
 
 @pytest.mark.parametrize("entry", ["float_keys", "from_keys", "finish", "add_finish"])
@@ -298,13 +316,13 @@ def test_a_long_pass_lets_other_threads_run(entry):
     assert moved, f"{entry} kept the GIL for its whole pass over 16 MiB, 20 times"
 
 
-def test_combine_finished_falls_back_where_the_extension_cannot():
+def test_combine_falls_back_where_the_extension_cannot():
     """Strided operands, or dtypes the extension does not take, go through numpy (the same result)."""
     op = OPS["avg"].averaged(3)
     for a, b in ((np.arange(12, dtype=np.float32)[::2], np.full(6, 0.1, np.float32)),
                  (np.arange(6, dtype=np.float16), np.full(6, 0.1, np.float16))):
         out = np.empty(6, a.dtype)
-        kernels.combine_finished(a, b, out, op)
+        kernels.combine(a, b, out, op, finish=True)
         np.testing.assert_array_equal(out, np.divide(a + b, 3), strict=True)
 
 
@@ -315,6 +333,15 @@ def test_combine_check_catches_a_fused_division_that_rounds_otherwise(tmp_path):
     def broken(a, b, out, op):
         module.add_finish(a, b, out, op.divisor)
     assert combine_mismatches(broken, np.float32, 3) > 0, "the check missed a division that rounds otherwise"
+
+
+def test_combine_check_catches_a_sum_that_keeps_the_other_nan(tmp_path):
+    """b + a for a + b: the same sums, but of two NaN the second one's payload (numpy keeps the first's)."""
+    module = mutated_extension(tmp_path, "out[i] = (a[i] + b[i]) * factor;", "out[i] = (b[i] + a[i]) * factor;")
+
+    def broken(a, b, out, op):
+        module.add_finish(a, b, out, op.divisor)
+    assert combine_mismatches(broken, np.float32, 1) > 0, "the check missed a sum that keeps the other NaN"
 
 
 def test_keys_sort_like_the_floats():

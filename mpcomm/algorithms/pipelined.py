@@ -26,7 +26,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..buffers import ReduceOp
-from ..kernels import combine_finished
+from ..kernels import combine
 from ..transport import Transport
 from . import ring
 from .chunks import equal_bounds
@@ -56,10 +56,7 @@ def segmented_step(t: Transport, to_send, local, target, op: ReduceOp, finish: b
         if k + 1 < segments:
             pending = post(k + 1)
         t.wait(requests, (left, right), (received.nbytes, None))
-        if finish:
-            combine_finished(piece(local, k), received, piece(target, k), op)
-        else:
-            op(piece(local, k), received, out=piece(target, k))
+        combine(piece(local, k), received, piece(target, k), op, finish)
 
 
 def reduce_scatter_chunks(t: Transport, src, out, op: ReduceOp, bounds, segment_bytes: int | None = None,

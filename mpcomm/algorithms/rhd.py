@@ -9,7 +9,7 @@ both partners; at the end the odd ranks hand the result back.
 from __future__ import annotations
 
 from ..buffers import ReduceOp
-from ..kernels import combine_finished
+from ..kernels import combine
 from ..transport import Transport
 from .chunks import chunk_bounds, equal_bounds
 
@@ -66,10 +66,7 @@ def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks,
         kept = buf[_span(blocks, *keep)]
         received = incoming[: kept.size]
         t.sendrecv(buf[_span(blocks, *give)], fold.real(vrank ^ mask), received, fold.real(vrank ^ mask))
-        if finish and mask == 1:
-            combine_finished(kept, received, kept, op)
-        else:
-            op(kept, received, out=kept)
+        combine(kept, received, kept, op, finish and mask == 1)
         lo, hi = keep
         mask //= 2
     if finish and fold.p2 == 1:  # (no round to finish in)
@@ -95,7 +92,7 @@ def fold_and_halve(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks, finish:
     if t.rank < 2 * fold.rem:
         incoming = t.scratch("rhd.fold", buf.size, buf.dtype, like=buf)
         t.recv(incoming, t.rank - 1)
-        op(buf, incoming, out=buf)
+        combine(buf, incoming, buf, op)
     halving_reduce_scatter(t, fold, buf, op, blocks, finish)
 
 

@@ -7,7 +7,7 @@ copied to all, so the result is bitwise identical everywhere.
 from __future__ import annotations
 
 from ..buffers import ReduceOp
-from ..kernels import combine_finished
+from ..kernels import combine
 from ..transport import Transport
 from .chunks import chunk_bounds, equal_bounds
 
@@ -19,10 +19,7 @@ def exchange_then_reduce(t: Transport, to_send, local, target, op: ReduceOp, fin
     p, r = t.size, t.rank
     received = t.scratch("ring.recv", local.size, local.dtype, like=local)
     t.sendrecv(to_send, (r + 1) % p, received, (r - 1) % p)
-    if finish:
-        combine_finished(local, received, target, op)
-    else:
-        op(local, received, out=target)
+    combine(local, received, target, op, finish)
 
 
 def reduce_scatter_chunks(t: Transport, src, out, op: ReduceOp, bounds, step=exchange_then_reduce,

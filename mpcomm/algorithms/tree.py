@@ -7,6 +7,7 @@ scatter move (p-1)/p of the data through the root's links in log p rounds, the t
 from __future__ import annotations
 
 from ..buffers import ReduceOp
+from ..kernels import combine
 from ..transport import Transport
 
 
@@ -22,7 +23,7 @@ def reduce(t: Transport, buf, op: ReduceOp, root: int = 0) -> None:
             return
         if vrank + mask < p:
             t.recv(incoming, (vrank + mask + root) % p)
-            op(buf, incoming, out=buf)
+            combine(buf, incoming, buf, op)
         mask <<= 1
 
 
