@@ -26,7 +26,8 @@ from conftest import (
 
 from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY, pipelined
-from mpcomm.algorithms.auto import STEADY, STEADY_MARGIN, TABLE_FORMAT, CostModel, Layout, Selector, crossovers
+from mpcomm.algorithms.auto import (FRESH_PAGES_FROM, STEADY, STEADY_MARGIN, TABLE_FORMAT, CostModel, Layout,
+                                   Selector, crossovers)
 
 P = WORLD.Get_size()
 
@@ -403,6 +404,45 @@ def test_native_across_nodes_is_priced_as_the_librarys_algorithm():
     assert binomial.allreduce("native", n, node) == model.allreduce("native", n, node)
     assert dict(PROFILES["openmpi"].cost_model)["native_across_nodes"] == "binomial"
     assert dict(PROFILES["mpich"].cost_model).get("native_across_nodes", model.native_across_nodes) == "node_aware"
+
+
+def openmpi_selector(layout: Layout) -> Selector:
+    """The selector Selector.default builds on Open MPI for ``layout`` (its profile's model)."""
+    from mpcomm.mpi_library import PROFILES
+
+    profile = PROFILES["openmpi"]
+    model = replace(CostModel(), native_min_max_op=profile.min_max_op, **dict(profile.cost_model))
+    return Selector(layout=layout, candidates={op: tuple(algs) for op, algs in REGISTRY.items()}, model=model)
+
+
+@pytest.mark.parametrize("nodes", [(2,), (4,), (2, 2)], ids=str)
+def test_native_pays_fresh_pages_for_its_temporary_from_32_mib(nodes):
+    """From glibc's largest mmap threshold the library's message-sized temporary is faulted in every call: native
+    costs that much more there and nothing more below it, on one node or several."""
+    layout, model = Layout(sum(nodes), nodes), CostModel()
+    below, at = FRESH_PAGES_FROM - 4096, FRESH_PAGES_FROM
+    free = replace(model, fresh_page_byte=0.0)
+    assert model.allreduce("native", below, layout) == free.allreduce("native", below, layout)
+    assert model.allreduce("native", at, layout) - free.allreduce("native", at, layout) == pytest.approx(
+        at * model.fresh_page_byte, rel=1e-12)
+
+
+def test_auto_on_one_open_mpi_node_keeps_native_below_32_mib_and_leaves_it_from_there():
+    """Open MPI at p = 2 on one node: native's sums and maxima are the fastest at 2-16 MiB (its blocking all-reduce),
+    the pipelined ring the slowest of mpcomm's there (no overlap: its profile), and from 32 MiB native takes ~2x
+    mpcomm's ring and rhd (its temporary's fresh pages); avg at 512 KiB is the ring's (its division rides on the
+    last addition; native's takes a pass of its own): bench/results/openmpi.md, "Stop 32"."""
+    selector = openmpi_selector(Layout(2, (2,)))
+    for op in ("sum", "max"):
+        for dtype in (np.float32, np.float64):
+            assert [selector.predict("allreduce", n, dtype=np.dtype(dtype), op=op) for n in (2 << 20, 16 << 20)] \
+                == ["native", "native"]
+            assert selector.predict("allreduce", 32 << 20, dtype=np.dtype(dtype), op=op) in ("ring", "rhd")
+        assert selector.predict("allreduce", 512 << 10, dtype=np.dtype(np.float32), op="avg") in ("ring", "rhd")
+    in_node, across = selector.model.for_layout(selector.layout), selector.model.for_layout(Layout(4, (2, 2)))
+    assert (in_node.overlap, in_node.alpha_py) == (False, selector.model.alpha_py_in_node)
+    assert (across.overlap, across.alpha_py) == (True, CostModel().alpha_py)  # (the nodes' figures are MPICH's)
+    assert CostModel().for_layout(Layout(2, (2,))) == CostModel()
 
 
 @pytest.mark.parametrize("layout", PRICED_LAYOUTS, ids=lambda lay: f"{lay.node_sizes}-rpc{lay.ranks_per_core:g}")

@@ -34,6 +34,7 @@ STEADY = ("ring", "ring_pipelined")  # algorithms whose every rank talks to the 
 MEMO_SIZE = 1024  # decisions remembered (Selector.choose): varying sizes must not grow memory
 STEADY_MARGIN = 0.05  # across nodes, a ring this close to the cheapest prediction is preferred (Selector.predict)
 WIRE_MARGIN = 0.2  # a compressed wire must be predicted this much faster than float32 to be used (Selector.wire_pays)
+FRESH_PAGES_FROM = (32 << 20) - 4096  # glibc maps blocks from 32 MiB (its largest mmap threshold) fresh, header in
 _FLOAT32 = np.dtype(np.float32)
 
 
@@ -122,6 +123,15 @@ class CostModel:
     # runs an in-place one as a binomial reduce, then a binomial broadcast ("binomial"; bench/results/cluster.md).
     native_across_nodes: str = "node_aware"
     overlap: bool = True
+    # On one node the pipelined ring overlaps only where the library moves a message while the receiver computes;
+    # Open MPI's shared memory moves it inside the receiver's MPI calls (its profile: False; openmpi.md).
+    overlap_in_node: bool = True
+    # A step of mpcomm's own algorithms on one node, where the library's profile measured it (None: alpha_py).
+    alpha_py_in_node: float | None = None
+    # The library's all-reduce takes a temporary as large as the message every call, and glibc maps one of
+    # FRESH_PAGES_FROM bytes or more fresh each time (its largest mmap threshold): seconds per byte of faulting it
+    # in (MPICH and Open MPI at p = 2 on one node, 32-64 MiB; openmpi.md, "Stop 32").
+    fresh_page_byte: float = 0.19e-9
     # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
     # buffer (bench/results/observations.md, "numpy's casts of 16-bit floats"): float16 and bfloat16 widened to
     # float32 and narrowed back, numpy's casts (float16's are slower: no F16C loops);
@@ -148,14 +158,20 @@ class CostModel:
         return replace(self, alpha_net=network.latency, beta_net=network.seconds_per_byte)
 
     def for_layout(self, layout: Layout) -> "CostModel":
-        """The model as it applies on ``layout``. With more ranks than cores (``ranks_per_core`` r > 1) every
+        """The model as it applies on ``layout``: on one node, the library's own figures for it (``overlap_in_node``,
+        ``alpha_py_in_node``). With more ranks than cores (``ranks_per_core`` r > 1) every
         step waits for its peer to be scheduled (alphas x r) and nothing overlaps: no core is free to move one
         segment while this rank reduces another (measured at p = 4 on 2 cores: rhd's 2 log p steps beat the
         (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring wins)."""
         r = layout.ranks_per_core
+        model = self
+        if layout.num_nodes == 1 and not self.overlap_in_node:
+            model = replace(model, overlap=False)
+        if layout.num_nodes == 1 and self.alpha_py_in_node is not None:
+            model = replace(model, alpha_py=self.alpha_py_in_node)
         if r <= 1:
-            return self
-        return replace(self, alpha_py=self.alpha_py * r, alpha_native=self.alpha_native * r,
+            return model
+        return replace(model, alpha_py=model.alpha_py * r, alpha_native=self.alpha_native * r,
                        alpha_segment=self.alpha_segment * r, overlap=False)
 
     # -------------------------------------------------------------- building blocks
@@ -342,13 +358,15 @@ class CostModel:
         in the node (the node's link carries what one rank sends, as for ``hierarchical``). Bytes on the network
         go at the link's rate whoever sends them: on 2 x 2 simulated nodes at 1 Gbit/s native took hierarchical's
         time, the same bytes on each NIC, where the scale had priced it well above (bench/results/cluster.md).
-        Where the library's is a binomial tree (``native_across_nodes``), it is mpcomm's tree run in C."""
+        Where the library's is a binomial tree (``native_across_nodes``), it is mpcomm's tree run in C. From
+        ``FRESH_PAGES_FROM`` bytes its temporary comes in fresh pages every call."""
+        fresh = n * self.fresh_page_byte if n >= FRESH_PAGES_FROM else 0.0
         if layout.num_nodes == 1:
-            return self._native_scaled(lambda m: self.rhd(m, layout, self.alpha_native), n)
+            return fresh + self._native_scaled(lambda m: self.rhd(m, layout, self.alpha_native), n)
         if self.native_across_nodes == "binomial":
-            return self.tree(n, layout, self.alpha_native)
+            return fresh + self.tree(n, layout, self.alpha_native)
         node = Layout(layout.ranks_per_node, (layout.ranks_per_node,))
-        return (self._native_scaled(lambda m: self.tree(m, node, self.alpha_native), n)
+        return (fresh + self._native_scaled(lambda m: self.tree(m, node, self.alpha_native), n)
                 + self._across(n, layout.num_nodes, 1, self.alpha_native))
 
     def _native_scaled(self, cost, n: float) -> float:
