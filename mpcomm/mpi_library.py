@@ -64,15 +64,15 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # Open MPI runs a user op as fast as its SUM at every size, so a float sum needs no NaN pass after it; then
     # native moves 2-16 MiB all-reduces in 0.9x the time of mpcomm's rhd and ring; 1.0 keeps avg (a pass more) off
     # native where the ring, which divides in its last addition, is faster (openmpi.md). Across nodes native polls
-    # libnbc's in-place all-reduce: a binomial reduce and broadcast, not node-aware (cluster.md). On one node the
-    # pipelined ring gains nothing from its overlap: 1.04-1.18x rhd at 4-16 MiB (openmpi.md, "Stop 32"), and a step
+    # libnbc's in-place all-reduce: a binomial reduce and broadcast, not node-aware (cluster.md). On one node a step
     # of mpcomm's own algorithms is priced at 10 us, not MPICH's 25 (which places MPICH's crossovers with its
     # native): rhd's 8 B all-reduce takes 14-16 us for its two steps there, and at 25 auto kept avg on native at
-    # 512 KiB, 1.17-1.40x the ring and rhd. (Across simulated nodes 10 us sent 4-16 KiB from native, 1.5-2.7x.)
+    # 512 KiB, 1.17-1.40x the ring and rhd (openmpi.md, "Stop 32"; across simulated nodes 10 us sent 4-16 KiB from
+    # native, 1.5-2.7x behind it).
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=32 << 10, min_max_op=True,
                        arithmetic_op_bytes=(0, None),
                        cost_model=(("native_byte_scale", 1.0), ("native_across_nodes", "binomial"),
-                                   ("overlap_in_node", False), ("alpha_py_in_node", 10e-6))),
+                                   ("alpha_py_in_node", 10e-6))),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).
 UNKNOWN = Library("unknown", persistent_upto=0, blocking_above=None)

@@ -123,9 +123,10 @@ class CostModel:
     # runs an in-place one as a binomial reduce, then a binomial broadcast ("binomial"; bench/results/cluster.md).
     native_across_nodes: str = "node_aware"
     overlap: bool = True
-    # On one node the pipelined ring overlaps only where the library moves a message while the receiver computes;
-    # Open MPI's shared memory moves it inside the receiver's MPI calls (its profile: False; openmpi.md).
-    overlap_in_node: bool = True
+    # On one node the pipelined ring would overlap only where the library moved a message while the receiver
+    # computes; MPICH's and Open MPI's shared memory move it inside the receiver's MPI calls (at p = 2 on 2 cores the
+    # pipelined ring took 1.16-1.20x the ring at 8 MiB and 0.9-1.1x at 32 MiB on both: dtype_op.md, "Stop 32").
+    overlap_in_node: bool = False
     # A step of mpcomm's own algorithms on one node, where the library's profile measured it (None: alpha_py).
     alpha_py_in_node: float | None = None
     # The library's all-reduce takes a temporary as large as the message every call, and glibc maps one of

@@ -16,10 +16,10 @@ number of elements, the same for every chunk, so sender and receiver agree on th
 chunk sizes differ by one (the last segments of a short chunk may be short or empty).
 
 How much the overlap buys depends on the MPI library making progress while this process computes:
-MPICH moves large shared-memory messages inside MPI calls, so on one host the overlap is partial and part
-of the gain is cache locality (a 1 MiB segment is reduced while still in cache); networks with RDMA
-overlap fully. On one host it beats the plain ring at tens of MiB and ties at a few MiB; oversubscribed
-ranks (more ranks than cores) make every extra message a scheduling round trip, and it loses.
+MPICH and Open MPI move shared-memory messages inside the receiver's MPI calls, so on one host nothing
+overlaps (at p = 2 on 2 cores it took 1.16-1.20x the plain ring at 8 MiB and 0.9-1.1x at 32 MiB,
+bench/results/dtype_op.md "Stop 32"); across hosts the kernel moves the bytes while the rank reduces.
+Oversubscribed ranks (more ranks than cores) make every extra message a scheduling round trip, and it loses.
 """
 from __future__ import annotations
 
