@@ -7,7 +7,8 @@
  * progress), as every collective's does.
  *
  * The buffer's format (the buffer protocol's) gives the MPI datatype; floats (and complex parts) that hold a NaN
- * after the reduction get numpy's NaN, so every rank holds the same bits (algorithms/native.py says why).
+ * after the reduction get numpy's NaN, so every rank holds the same bits (algorithms/native.py says why); an
+ * average's sum is divided in the same call.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -56,6 +57,19 @@ static void canonical_nans(void *data, Py_ssize_t count, int floats) {
         for (Py_ssize_t i = 0; i < count; i++)
             if (isnan(values[i])) values[i] = (double)NAN;
     }
+}
+
+/* What a finished all-reduce of `count` elements still needs, by `finish`: 0 nothing; 1 numpy's NaN wherever a
+ * float holds a NaN; d > 1 (real floats only) each value divided by d first, as numpy divides (one rounding). */
+static void finished(void *data, Py_ssize_t count, int floats, long finish) {
+    if (finish > 1 && floats == FLOAT32) {
+        float *values = data, d = (float)finish;
+        for (Py_ssize_t i = 0; i < count; i++) values[i] /= d;
+    } else if (finish > 1 && floats == FLOAT64) {
+        double *values = data, d = (double)finish;
+        for (Py_ssize_t i = 0; i < count; i++) values[i] /= d;
+    }
+    if (finish) canonical_nans(data, count, floats);
 }
 
 static PyObject *mpi_exception; /* mpi4py's MPI.Exception (configure()), raised with an MPI error code */
@@ -137,19 +151,23 @@ static PyObject *create_ops(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(llll)", (long)handles[0], (long)handles[1], (long)handles[2], (long)handles[3]);
 }
 
-/* The arguments both calls share: (handle, buffer, ..., nan_check, tests) with five in all, `usage` naming them;
+/* The arguments both calls share: (handle, buffer, ..., finish, tests) with five in all, `usage` naming them;
  * 0, with an exception set, where they are not that. */
 static int shared_arguments(PyObject *const *args, Py_ssize_t nargs, const char *usage, long *handle,
-                            int *nan_check, long *tests) {
+                            long *finish, long *tests) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, usage);
         return 0;
     }
     *handle = PyLong_AsLong(args[0]);
     *tests = PyLong_AsLong(args[4]);
-    *nan_check = PyObject_IsTrue(args[3]);
+    *finish = PyLong_AsLong(args[3]);
+    if (!PyErr_Occurred() && *finish < 0) PyErr_Format(PyExc_ValueError, "finish %ld: it must be at least 0", *finish);
     return !PyErr_Occurred();
 }
+
+/* Whether `finished` can do `finish` for these values (a division only of real floats). */
+static int can_finish(long finish, int floats, Py_ssize_t parts) { return finish <= 1 || (floats && parts == 1); }
 
 static int done_after(MPI_Request *request, long tests, int *code) {
     int done = 0;
@@ -158,15 +176,14 @@ static int done_after(MPI_Request *request, long tests, int *code) {
     return done;
 }
 
-/* allreduce(comm, buf, op, nan_check, tests): MPI_Iallreduce in place on the writable contiguous `buf` over the
- * communicator and op of these Fortran handles. None once done (NaNs canonical where nan_check); else the request's
- * Fortran handle, for the caller to wait on (then to make the NaNs canonical itself); NotImplemented, with nothing
- * sent, for a buffer whose format has no MPI datatype here. */
+/* allreduce(comm, buf, op, finish, tests): MPI_Iallreduce in place on the writable contiguous `buf` over the
+ * communicator and op of these Fortran handles. None once done (and `finished`); else the request's Fortran handle,
+ * for the caller to wait on (then to finish itself); NotImplemented, with nothing sent, for a buffer whose format
+ * has no MPI datatype here or a finish it cannot do. */
 static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long comm, op, tests;
-    int nan_check;
-    if (!shared_arguments(args, nargs, "allreduce(comm, buf, op, nan_check, tests)", &comm, &nan_check, &tests))
+    long comm, op, tests, finish;
+    if (!shared_arguments(args, nargs, "allreduce(comm, buf, op, finish, tests)", &comm, &finish, &tests))
         return NULL;
     if ((op = PyLong_AsLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
     Py_buffer view;
@@ -177,13 +194,13 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t count = view.itemsize ? view.len / view.itemsize : 0;
     PyObject *result = NULL;
     MPI_Request request;
-    if (type == MPI_DATATYPE_NULL || count > 0x7fffffff) {
+    if (type == MPI_DATATYPE_NULL || count > 0x7fffffff || !can_finish(finish, floats, parts)) {
         result = Py_NewRef(Py_NotImplemented);
     } else if ((code = MPI_Iallreduce(MPI_IN_PLACE, view.buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op),
                                       MPI_Comm_f2c((MPI_Fint)comm), &request)) != MPI_SUCCESS) {
         failed(code);
     } else if (done_after(&request, tests, &code)) {
-        if (nan_check) canonical_nans(view.buf, count * parts, floats);
+        finished(view.buf, count * parts, floats, finish);
         result = Py_NewRef(Py_None);
     } else if (code != MPI_SUCCESS) {
         failed(code);
@@ -194,15 +211,14 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return result;
 }
 
-/* start(request, own, buf, nan_check, tests): a persistent all-reduce (the Fortran handle of one made in place over
+/* start(request, own, buf, finish, tests): a persistent all-reduce (the Fortran handle of one made in place over
  * `own`) started on `buf`'s values: copied into own, started, tested. True once done, the result copied back into
- * `buf` (NaNs canonical where nan_check); False while it runs (the caller waits and copies); NotImplemented, with
- * nothing started, for a format this does not take. */
+ * `buf` (and `finished`); False while it runs (the caller waits, copies and finishes); NotImplemented, with nothing
+ * started, for a format or a finish this does not take. */
 static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    long handle, tests;
-    int nan_check;
-    if (!shared_arguments(args, nargs, "start(request, own, buf, nan_check, tests)", &handle, &nan_check, &tests))
+    long handle, tests, finish;
+    if (!shared_arguments(args, nargs, "start(request, own, buf, finish, tests)", &handle, &finish, &tests))
         return NULL;
     Py_buffer own, buf;
     if (PyObject_GetBuffer(args[1], &own, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
@@ -213,7 +229,7 @@ static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     PyObject *result = NULL;
     int floats, code;
     Py_ssize_t parts;
-    if (datatype_of(&own, &floats, &parts) == MPI_DATATYPE_NULL) {
+    if (datatype_of(&own, &floats, &parts) == MPI_DATATYPE_NULL || !can_finish(finish, floats, parts)) {
         result = Py_NewRef(Py_NotImplemented);
     } else if (own.len != buf.len) {
         PyErr_Format(PyExc_ValueError, "start: the request's buffer has %zd bytes, the call's %zd", own.len, buf.len);
@@ -224,7 +240,7 @@ static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
             failed(code);
         } else if (done_after(&request, tests, &code)) {
             memcpy(buf.buf, own.buf, (size_t)buf.len);
-            if (nan_check) canonical_nans(buf.buf, own.len / own.itemsize * parts, floats);
+            finished(buf.buf, own.len / own.itemsize * parts, floats, finish);
             result = Py_NewRef(Py_True);
         } else {
             result = code == MPI_SUCCESS ? Py_NewRef(Py_False) : failed(code);
@@ -265,9 +281,9 @@ static PyObject *library_version(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))allreduce, METH_FASTCALL,
-     "allreduce(comm, buf, op, nan_check, tests) -> None (done) | request handle | NotImplemented"},
+     "allreduce(comm, buf, op, finish, tests) -> None (done) | request handle | NotImplemented"},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL,
-     "start(request, own, buf, nan_check, tests) -> True (done, copied back) | False | NotImplemented"},
+     "start(request, own, buf, finish, tests) -> True (done, copied back) | False | NotImplemented"},
     {"canonical_nans", canonical_nans_call, METH_O, "canonical_nans(buf): numpy's NaN wherever buf holds one"},
     {"create_ops", create_ops, METH_NOARGS, "create_ops() -> Fortran handles of the (sum, prod, max, min) MPI ops"},
     {"configure", configure, METH_O, "configure(exception_type): what an MPI error code is raised as"},

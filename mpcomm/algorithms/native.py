@@ -41,8 +41,8 @@ _ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-red
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
     mine = own_op(t, buf, op)
     if mine is not None:  # (NaNs and zeros done inside the library's reduction: no pass but avg's division)
-        _allreduce_in_place(t, buf, op, mpi_op=mine)
-        if op.divisor != 1 and finish_floats(buf, op.divisor) is None:
+        divided = _allreduce_in_place(t, buf, op, finish=op.divisor if op.divisor != 1 else 0, mpi_op=mine)
+        if op.divisor != 1 and not divided and finish_floats(buf, op.divisor) is None:
             op.finish(buf)
         return
     dtype = buf.dtype
@@ -52,8 +52,8 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         from_keys(keys)
         return
     nans_matter = dtype.kind in "fc" and t.size > 1
-    if _allreduce_in_place(t, buf, op, canonical=nans_matter and op.divisor == 1) or (
-            op.divisor == 1 and not nans_matter):
+    finish = op.divisor if nans_matter and dtype in KEY_DTYPES else int(nans_matter and op.divisor == 1)
+    if _allreduce_in_place(t, buf, op, finish=finish) or (op.divisor == 1 and not nans_matter):
         return
     found = finish_floats(buf, op.divisor)  # (float32/float64: both in one pass)
     if found is not None:
@@ -127,10 +127,11 @@ def all_to_all_v(t: Transport, sendbuf, send_counts, send_displs, recvbuf, recv_
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False, mpi_op=None) -> bool:
+def _allreduce_in_place(t: Transport, buf, op: ReduceOp, finish: int = 0, mpi_op=None) -> bool:
     """``buf`` <- the library's all-reduce of ``buf`` with ``mpi_op`` (default ``op``'s), waited for within the
-    deadline the way that is cheapest on this MPI library for its size (``mpcomm.mpi_library``); True if its NaNs
-    were also made canonical (asked for with ``canonical``, and done in ``native_calls``' one C call)."""
+    deadline the way that is cheapest on this MPI library for its size (``mpcomm.mpi_library``); True if it was
+    also finished as ``finish`` asks (1: NaNs made canonical; d > 1: float32/float64 divided by d first), done in
+    ``native_calls``' one C call; else the caller finishes."""
     mpi_op = op.mpi if mpi_op is None else mpi_op
     if type(buf) is np.ndarray and t.size > 1:
         nbytes, profile = buf.nbytes, library()
@@ -139,15 +140,15 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, canonical: bool = False
             key = (buf.size, buf.dtype, op.name, mpi_op is op.mpi)
             persistent = t.persistent_requests.get(key) or _persistent_allreduce(t, buf, mpi_op, key)
             if persistent is not None:
-                return _start(t, buf, persistent, calls, canonical)
+                return _start(t, buf, persistent, calls, finish)
         if meets_then_blocks(t, profile, nbytes):
             _meet(t, buf, op)
             t.mpi.Allreduce(MPI.IN_PLACE, buf, mpi_op)
             return False
         if calls is not None:
-            request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), canonical, t.quick_tests)
+            request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), finish, t.quick_tests)
             if request is None:
-                return canonical
+                return finish != 0
             if request is not NotImplemented:
                 t.wait_one(MPI.Request.f2py(request))
                 return False
@@ -208,17 +209,17 @@ def meets_then_blocks(t: Transport, profile: Library, nbytes: int) -> bool:
             and (profile.blocking_on_shared_cores or not t.cores_shared))
 
 
-def _start(t: Transport, buf, persistent: tuple, calls, canonical: bool) -> bool:
+def _start(t: Transport, buf, persistent: tuple, calls, finish: int) -> bool:
     """``buf`` <- the all-reduce of ``persistent`` (request, its buffer, its Fortran handle) started on ``buf``'s
-    values; True if the NaNs were made canonical too (in ``native_calls``' one call)."""
+    values; True if it was also finished as ``finish`` asks (in ``native_calls``' one call)."""
     request, own, handle = persistent
-    done = NotImplemented if calls is None else calls.start(handle, own, buf, canonical, t.quick_tests)
+    done = NotImplemented if calls is None else calls.start(handle, own, buf, finish, t.quick_tests)
     if done is NotImplemented:  # (mpi4py's calls: the same MPI calls, one by one)
         own[...] = buf
         request.Start()
-        done = canonical = False
+        done, finish = False, 0
     if done:
-        return canonical
+        return finish != 0
     if not (request.Test() or request.Test()):  # (not wait_one: a timeout would cancel the request,
         t.poll_until(request.Test, t.others)  # and MPICH aborts on MPI_Cancel of a persistent collective)
     buf[...] = own
