@@ -143,8 +143,8 @@ class CostModel:
     kernel16_byte: float = 65e-12
     # native's per-byte cost for integers (and bool, as uint8) of each item size, against floats': MPICH reduces
     # 1- and 2-byte ones at about half its rate for 4- and 8-byte ones, where numpy's loops do not slow down; and it
-    # moved 4- and 8-byte integer sums and maxima at ~0.85 of float32's time at 512 KiB-1 MiB, where the ring
-    # takes floats (bench/results/dtype_op.md, "Stop 32": where native and the ring cross).
+    # moved 4- and 8-byte integer sums and maxima at ~0.85 of float32's time at 512 KiB-1 MiB on one node, where the
+    # ring takes floats (bench/results/dtype_op.md, "Stop 32": where native and the ring cross).
     native_int_scale: tuple = ((1, 2.0), (2, 1.6), (4, 0.8), (8, 0.8))
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
     # One call of the extension module's float passes (``mpcomm.kernels``: avg's finish), however small, its Python
@@ -315,6 +315,8 @@ class CostModel:
         wire = self.wire_bytes(algorithm, nbytes, dtype, op)
         seconds = self.collective(operation, algorithm, wire, layout)
         scale = dict(self.native_int_scale).get(dtype.itemsize, 1.0) if dtype.kind in "iub" else 1.0
+        if scale < 1.0 and layout.num_nodes > 1:
+            scale = 1.0  # (a saving of the library's shared-memory path: a network's bytes go at its rate)
         if algorithm == "native" and op is not None and scale != 1.0:
             seconds += (scale - 1.0) * (seconds - self.collective(operation, algorithm, 0, layout))
         return seconds + self.passes(operation, algorithm, nbytes, layout, dtype, op)
