@@ -415,9 +415,8 @@ def openmpi_selector(layout: Layout) -> Selector:
     """The selector Selector.default builds on Open MPI for ``layout`` (its profile's model)."""
     from mpcomm.mpi_library import PROFILES
 
-    profile = PROFILES["openmpi"]
-    model = replace(CostModel(), native_min_max_op=profile.min_max_op, **dict(profile.cost_model))
-    return Selector(layout=layout, candidates={op: tuple(algs) for op, algs in REGISTRY.items()}, model=model)
+    candidates = {op: tuple(algs) for op, algs in REGISTRY.items()}
+    return Selector(layout=layout, candidates=candidates, model=CostModel.of_library(PROFILES["openmpi"]))
 
 
 @pytest.mark.parametrize("nodes", [(2,), (4,), (2, 2)], ids=str)

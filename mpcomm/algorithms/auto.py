@@ -26,7 +26,7 @@ from .. import topology
 from ..buffers import AVG, LOW_PRECISION, MAX, MIN, SUM
 from ..compression import codec
 from ..kernels import KEY_DTYPES
-from ..mpi_library import library
+from ..mpi_library import Library, library
 from ..tuning.table import TABLE_FORMAT, check_table
 from . import KEEP_LOW_PRECISION
 
@@ -155,6 +155,11 @@ class CostModel:
     codec_byte: tuple = (("bf16", (0.17e-9, 0.31e-9, 0.22e-9)), ("fp16", (0.15e-9, 0.25e-9, 0.25e-9)),
                          ("int8", (0.27e-9, 0.30e-9, 0.13e-9)))
 
+    @classmethod
+    def of_library(cls, profile: Library) -> "CostModel":
+        """The model with an MPI library's own constants (its profile's ``cost_model``; the defaults are MPICH's)."""
+        return cls(native_min_max_op=profile.min_max_op, **dict(profile.cost_model))
+
     def with_network(self, network: "topology.NetworkMeasurement") -> "CostModel":
         """This model with the measured latency and seconds per byte between nodes."""
         return replace(self, alpha_net=network.latency, beta_net=network.seconds_per_byte)
@@ -173,8 +178,8 @@ class CostModel:
             model = replace(model, alpha_py=self.alpha_py_in_node)
         if r <= 1:
             return model
-        return replace(model, alpha_py=model.alpha_py * r, alpha_native=self.alpha_native * r,
-                       alpha_segment=self.alpha_segment * r, overlap=False)
+        return replace(model, alpha_py=model.alpha_py * r, alpha_native=model.alpha_native * r,
+                       alpha_segment=model.alpha_segment * r, overlap=False)
 
     # -------------------------------------------------------------- building blocks
     def _link(self, crosses: bool, alpha: float) -> tuple[float, float]:
@@ -446,9 +451,7 @@ class Selector:
         the same library on every rank, so the same choices)."""
         from . import REGISTRY
 
-        profile = library()
-        layout, network = Layout.of(comm), None
-        model = replace(CostModel(), native_min_max_op=profile.min_max_op, **dict(profile.cost_model))
+        layout, network, model = Layout.of(comm), None, CostModel.of_library(library())
         if probe is None:
             probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
         if layout.num_nodes > 1 and probe:
