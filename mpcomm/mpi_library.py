@@ -12,7 +12,8 @@ han) at every size. Two other ways keep the deadline, and each library uses thos
 * above ``blocking_above`` bytes, the ranks first meet with the deadline (a small non-blocking all-reduce of the
   call's count, dtype and op, which also catches ranks that disagree on them), then make the blocking call: once
   every rank is in the same call, only the library itself could keep it from finishing, as with a non-blocking
-  call that has started on every rank. The meeting costs one small all-reduce: it pays for large messages only.
+  call that has started on every rank. The meeting costs one small all-reduce (both in ``native_calls``' one C
+  call): it pays where the library's non-blocking call is slow.
   Only on one node: across nodes a link can go down in the middle of the call, which a blocking call would then
   wait out forever (on the simulated cluster, Open MPI's ranks on the other node never returned).
 
@@ -59,8 +60,9 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # costs less; between them the op is the faster (min/max: faster than keys at every size).
     "mpich": Library("mpich", persistent_upto=0, blocking_above=None, min_max_op=True,
                      arithmetic_op_bytes=(2 << 10, 128 << 10)),
-    # libnbc builds a schedule per Iallreduce (persistent requests would save it; off, see above) and runs up to 1.5x
-    # behind the meeting + blocking call from 64 KiB on an idle node; below it the meeting costs as much as it saves.
+    # libnbc builds a schedule per Iallreduce (persistent requests would save it; off, see above): from 4 KiB (its
+    # shared memory's eager limit: 4.6 us at 4000 B, 10 us at 4096) it runs 1.3-1.9x behind the meeting and the
+    # blocking call in one C call on an idle node; below, the meeting costs ~1.3 us more than it saves.
     # Open MPI runs a user op as fast as its SUM at every size, so a float sum needs no NaN pass after it; then
     # native moves 2-16 MiB all-reduces in 0.9x the time of mpcomm's rhd and ring; 1.0 keeps avg (a pass more) off
     # native where the ring, which divides in its last addition, is faster (openmpi.md). Across nodes native polls
@@ -69,7 +71,7 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # native): rhd's 8 B all-reduce takes 14-16 us for its two steps there, and at 25 auto kept avg on native at
     # 512 KiB, 1.17-1.40x the ring and rhd (openmpi.md, "Stop 32"; across simulated nodes 10 us sent 4-16 KiB from
     # native, 1.5-2.7x behind it). Its 4- and 8-byte integers are priced as its floats (not measured apart).
-    "openmpi": Library("openmpi", persistent_upto=0, blocking_above=32 << 10, min_max_op=True,
+    "openmpi": Library("openmpi", persistent_upto=0, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None),
                        cost_model=(("native_byte_scale", 1.0), ("native_across_nodes", "binomial"),
                                    ("alpha_py_in_node", 10e-6), ("native_int_scale", ((1, 2.0), (2, 1.6))))),

@@ -151,11 +151,11 @@ static PyObject *create_ops(PyObject *self, PyObject *unused) {
     return Py_BuildValue("(llll)", (long)handles[0], (long)handles[1], (long)handles[2], (long)handles[3]);
 }
 
-/* The arguments both calls share: (handle, buffer, ..., finish, tests) with five in all, `usage` naming them;
- * 0, with an exception set, where they are not that. */
-static int shared_arguments(PyObject *const *args, Py_ssize_t nargs, const char *usage, long *handle,
-                            long *finish, long *tests) {
-    if (nargs != 5) {
+/* The arguments the calls share: (handle, buffer, ..., finish, tests, ...) with `expected` in all, `usage` naming
+ * them; 0, with an exception set, where they are not that. */
+static int shared_arguments(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t expected, const char *usage,
+                            long *handle, long *finish, long *tests) {
+    if (nargs != expected) {
         PyErr_SetString(PyExc_TypeError, usage);
         return 0;
     }
@@ -183,7 +183,7 @@ static int done_after(MPI_Request *request, long tests, int *code) {
 static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long comm, op, tests, finish;
-    if (!shared_arguments(args, nargs, "allreduce(comm, buf, op, finish, tests)", &comm, &finish, &tests))
+    if (!shared_arguments(args, nargs, 5, "allreduce(comm, buf, op, finish, tests)", &comm, &finish, &tests))
         return NULL;
     if ((op = PyLong_AsLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
     Py_buffer view;
@@ -211,6 +211,76 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return result;
 }
 
+/* meet_allreduce(comm, buf, op, finish, tests, kind, meeting): the ranks meet, then make the blocking MPI_Allreduce
+ * in place on `buf` (algorithms/native.py's _meet, in this one call). The meeting is a non-blocking MAX all-reduce
+ * of (count, kind, -count, -kind) from meeting[0:4] into meeting[4:8] (a writable int64 array of 8 the caller
+ * keeps), tested `tests` times with the GIL released: once every rank has come with the same count and kind (the
+ * caller's hash of dtype and op), the blocking call cannot wait for a rank that is not coming. None once done (and
+ * `finished`); False if the ranks disagree (nothing sent); else the meeting's request handle, for the caller to
+ * wait on within the deadline, then to compare meeting[4:8] and make the call itself; NotImplemented, with nothing
+ * sent, as allreduce's. */
+static PyObject *meet_allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long comm, op, tests, finish, kind;
+    if (!shared_arguments(args, nargs, 7, "meet_allreduce(comm, buf, op, finish, tests, kind, meeting)", &comm,
+                          &finish, &tests))
+        return NULL;
+    if (((op = PyLong_AsLong(args[2])) == -1 || (kind = PyLong_AsLong(args[5])) == -1) && PyErr_Occurred())
+        return NULL;
+    Py_buffer view, meeting;
+    if (PyObject_GetBuffer(args[6], &meeting, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    if (meeting.len != 8 * (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&meeting);
+        return PyErr_Format(PyExc_ValueError, "meet_allreduce: meeting has %zd bytes, not 8 int64", meeting.len);
+    }
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+        PyBuffer_Release(&meeting);
+        return NULL;
+    }
+    int floats, code = MPI_SUCCESS;
+    Py_ssize_t parts;
+    MPI_Datatype type = datatype_of(&view, &floats, &parts);
+    Py_ssize_t count = view.itemsize ? view.len / view.itemsize : 0;
+    int64_t *mine = meeting.buf, *extremes = mine + 4;
+    MPI_Comm communicator = MPI_Comm_f2c((MPI_Fint)comm);
+    PyObject *result = NULL;
+    MPI_Request request;
+    if (type == MPI_DATATYPE_NULL || count > 0x7fffffff || !can_finish(finish, floats, parts)) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto release;
+    }
+    mine[0] = count, mine[1] = kind, mine[2] = -count, mine[3] = -kind;
+    if ((code = MPI_Iallreduce(mine, extremes, 4, MPI_INT64_T, MPI_MAX, communicator, &request)) != MPI_SUCCESS) {
+        failed(code);
+        goto release;
+    }
+    int met;
+    Py_BEGIN_ALLOW_THREADS
+    met = done_after(&request, tests, &code);
+    Py_END_ALLOW_THREADS
+    if (code != MPI_SUCCESS) {
+        failed(code);
+    } else if (!met) {
+        result = PyLong_FromLong((long)MPI_Request_c2f(request));
+    } else if (extremes[0] != -extremes[2] || extremes[1] != -extremes[3]) {
+        result = Py_NewRef(Py_False);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        code = MPI_Allreduce(MPI_IN_PLACE, view.buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op), communicator);
+        Py_END_ALLOW_THREADS
+        if (code != MPI_SUCCESS) {
+            failed(code);
+        } else {
+            finished(view.buf, count * parts, floats, finish);
+            result = Py_NewRef(Py_None);
+        }
+    }
+release:
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&meeting);
+    return result;
+}
+
 /* start(request, own, buf, finish, tests): a persistent all-reduce (the Fortran handle of one made in place over
  * `own`) started on `buf`'s values: copied into own, started, tested. True once done, the result copied back into
  * `buf` (and `finished`); False while it runs (the caller waits, copies and finishes); NotImplemented, with nothing
@@ -218,7 +288,7 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
 static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long handle, tests, finish;
-    if (!shared_arguments(args, nargs, "start(request, own, buf, finish, tests)", &handle, &finish, &tests))
+    if (!shared_arguments(args, nargs, 5, "start(request, own, buf, finish, tests)", &handle, &finish, &tests))
         return NULL;
     Py_buffer own, buf;
     if (PyObject_GetBuffer(args[1], &own, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
@@ -282,6 +352,9 @@ static PyObject *library_version(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))allreduce, METH_FASTCALL,
      "allreduce(comm, buf, op, finish, tests) -> None (done) | request handle | NotImplemented"},
+    {"meet_allreduce", (PyCFunction)(void (*)(void))meet_allreduce, METH_FASTCALL,
+     "meet_allreduce(comm, buf, op, finish, tests, kind, meeting) -> None (done) | False (they differ) | request "
+     "handle | NotImplemented"},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL,
      "start(request, own, buf, finish, tests) -> True (done, copied back) | False | NotImplemented"},
     {"canonical_nans", canonical_nans_call, METH_O, "canonical_nans(buf): numpy's NaN wherever buf holds one"},

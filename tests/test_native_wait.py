@@ -8,6 +8,7 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -134,6 +135,45 @@ def test_ranks_that_disagree_on_the_count_are_told_on_every_rank(monkeypatch):
         assert message is not None, f"rank {rank} did not raise CollectiveMismatchError"
         assert "different counts" in message and f"rank {rank}" in message, message
     assert (after == P).all()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("counts_differ", [False, True])
+def test_a_rank_late_to_the_meeting_is_waited_for_within_the_deadline(monkeypatch, counts_differ):
+    """meet+blocking in native_calls' C call: a meeting not done within its Tests goes back to the transport's wait,
+    then the counts are compared and the blocking call made, as where the C call met at once: the right sum, or
+    CollectiveMismatchError on every rank (rank 0 comes 20 ms late, so the others wait)."""
+    if native_calls.load() is None:
+        pytest.skip("native_calls is not built here")
+    profile = forced("meet+blocking")
+    monkeypatch.setattr(native, "library", lambda: profile)
+    monkeypatch.setattr(native, "_MEETING_TESTS", 1)
+    compared = []
+    check_met = native._check_met
+    monkeypatch.setattr(native, "_check_met", lambda *args: compared.append(1) or check_met(*args))
+    comm = Communicator(WORLD)
+    try:
+        def late():
+            n = 4099 + (counts_differ and comm.rank == 1)
+            x = np.arange(n, dtype=np.float64) * (comm.rank + 1)
+            WORLD.Barrier()
+            if comm.rank == 0:
+                time.sleep(0.02)
+            try:
+                return comm.allreduce(x, algorithm="native"), None
+            except CollectiveMismatchError as exc:
+                return None, str(exc)
+
+        result, message = late()
+        everyone = WORLD.allgather((result, message, len(compared)))
+    finally:
+        comm.free()
+    assert all(waited for _, _, waited in everyone[1:]), "a rank that waited for rank 0 did not take the wait"
+    for rank, (result, message, _) in enumerate(everyone):
+        if counts_differ:
+            assert message is not None and "different counts" in message, f"rank {rank}: {message}"
+        else:
+            np.testing.assert_array_equal(result, np.arange(4099) * (P * (P + 1) // 2), err_msg=f"rank {rank}")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -14,6 +14,7 @@ mpcomm's own algorithms:
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 import numpy as np
@@ -36,6 +37,10 @@ _OP_DTYPES = {MIN: frozenset(KEY_DTYPES), MAX: frozenset(KEY_DTYPES), SUM: froze
               AVG: frozenset(KEY_DTYPES), PROD: frozenset(KEY_DTYPES)}
 _PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) one transport keeps at most
 _ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-reduce, holding the GIL throughout
+_C_TESTS = 4  # native_calls' Tests per quick Test of the transport's (transport.py): one costs a quarter of mpi4py's
+# The meeting's Tests in native_calls before the deadline's wait, the GIL released: only ranks with a core each meet,
+# and the blocking call after it spins as long
+_MEETING_TESTS = 1000
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
@@ -142,11 +147,9 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, finish: int = 0, mpi_op
             if persistent is not None:
                 return _start(t, buf, persistent, calls, finish)
         if meets_then_blocks(t, profile, nbytes):
-            _meet(t, buf, op)
-            t.mpi.Allreduce(MPI.IN_PLACE, buf, mpi_op)
-            return False
+            return _meet_then_block(t, buf, op, mpi_op, finish)
         if calls is not None:
-            request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), finish, t.quick_tests)
+            request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), finish, t.quick_tests * _C_TESTS)
             if request is None:
                 return finish != 0
             if request is not NotImplemented:
@@ -213,7 +216,7 @@ def _start(t: Transport, buf, persistent: tuple, calls, finish: int) -> bool:
     """``buf`` <- the all-reduce of ``persistent`` (request, its buffer, its Fortran handle) started on ``buf``'s
     values; True if it was also finished as ``finish`` asks (in ``native_calls``' one call)."""
     request, own, handle = persistent
-    done = NotImplemented if calls is None else calls.start(handle, own, buf, finish, t.quick_tests)
+    done = NotImplemented if calls is None else calls.start(handle, own, buf, finish, t.quick_tests * _C_TESTS)
     if done is NotImplemented:  # (mpi4py's calls: the same MPI calls, one by one)
         own[...] = buf
         request.Start()
@@ -249,14 +252,46 @@ def _persistent_allreduce(t: Transport, buf, mpi_op, key: tuple):
     return kept[key]
 
 
-def _meet(t: Transport, buf, op: ReduceOp) -> None:
-    """Wait, within the deadline, until every rank has come to this all-reduce of the same count, dtype and op, so
-    that the blocking call made next cannot wait for a rank that is not coming (or pair with another call);
-    CollectiveMismatchError on every rank where they differ."""
-    kind = zlib.crc32(f"{buf.dtype.str} {op.name}".encode())
+def _meet_then_block(t: Transport, buf, op: ReduceOp, mpi_op, finish: int) -> bool:
+    """The ranks meet (:func:`_meet`), then make the library's blocking all-reduce of ``buf``: both in
+    ``native_calls``' one C call where it is built and the meeting is done within its tests (True if it also
+    finished as ``finish`` asks), else through mpi4py's calls."""
+    calls, kind = load_calls(), _kind(buf.dtype, op.name)
+    if calls is not None:
+        meeting = t.scratch("native.meeting", 8, np.int64)
+        outcome = calls.meet_allreduce(t.fortran, buf, mpi_op.py2f(), finish, _MEETING_TESTS, kind, meeting)
+        if outcome is None:
+            return finish != 0
+        if outcome is not NotImplemented:
+            if outcome is not False:  # (the meeting still runs: waited for within the deadline)
+                t.wait_one(MPI.Request.f2py(outcome))
+            _check_met(t, buf, op, meeting[4:])
+            t.mpi.Allreduce(MPI.IN_PLACE, buf, mpi_op)
+            return False
+    _meet(t, buf, op, kind)
+    t.mpi.Allreduce(MPI.IN_PLACE, buf, mpi_op)
+    return False
+
+
+@functools.cache
+def _kind(dtype: np.dtype, op_name: str) -> int:
+    """A number for (dtype, op), the same on every rank, that the meeting compares."""
+    return zlib.crc32(f"{dtype.str} {op_name}".encode())
+
+
+def _meet(t: Transport, buf, op: ReduceOp, kind: int) -> None:
+    """Wait, within the deadline, until every rank has come to this all-reduce of the same count, dtype and op
+    (``kind``), so that the blocking call made next cannot wait for a rank that is not coming (or pair with another
+    call); CollectiveMismatchError on every rank where they differ."""
     mine = np.array([buf.size, kind, -buf.size, -kind], dtype=np.int64)  # max of x and of -x: the extremes
     extremes = np.empty_like(mine)
     _wait(t, t.mpi.Iallreduce(mine, extremes, MPI.MAX))
+    _check_met(t, buf, op, extremes)
+
+
+def _check_met(t: Transport, buf, op: ReduceOp, extremes) -> None:
+    """CollectiveMismatchError unless the meeting's ``extremes`` (the max of count, kind, -count, -kind) show every
+    rank with the same count and kind."""
     if extremes[0] != -extremes[2] or extremes[1] != -extremes[3]:
         raise CollectiveMismatchError(
             f"rank {t.rank}: {t.operation}: the ranks called the MPI library's all-reduce with different counts, "
