@@ -23,7 +23,7 @@ from numpy.typing import DTypeLike
 from . import p2p, staging
 from .algorithms import native
 from .algorithms.auto import Selector
-from .buffers import SUM, NoBuffer, WorkArray, as_input, as_output, same_device
+from .buffers import SUM, as_input, as_output, same_device
 from .dispatch import FREED, Dispatcher
 from .errors import CommTimeoutError, ConfigError, MpcommError
 from .p2p import ANY_SOURCE, Status, Wildcard
@@ -33,6 +33,7 @@ from .topology import node_topology
 from .transport import Transport, created, duplicate
 from .tuning import measure, table as tuning_table
 from .work import Work
+from .work_array import NoBuffer, WorkArray
 
 _BARRIER = Plan.barrier()
 _SPLIT = Plan.meeting("split")

@@ -4,6 +4,7 @@
  * float_keys / from_keys: float32 / float64 as integers that sort like the floats (MPI's integer MIN/MAX then
  * give numpy's NaN propagation and one answer on every rank), in one pass each way.
  * encode16 / decode16 / encode_int8 / decode_int8: the wire codecs of mpcomm/compression.py.
+ * cast16: float16 / bfloat16 to and from float32 for a work array (mpcomm/work_array.py).
  * Built with -DMPCOMM_PYTHON where Python.h is found, the same file is also a Python extension (at the end).
  * Every conversion is bitwise the one numpy / ml_dtypes make (round to nearest even; NaN stays NaN; AVX512-BF16's
  * one-instruction rounding only where it does not flush a subnormal to zero); built with
@@ -263,6 +264,24 @@ void decode16(int kind, const uint16_t *src, float *out, int64_t n, int accumula
     }
 }
 
+/* ---- a work array's casts (mpcomm/work_array.py). ---- */
+
+/* dst <- src between float32 and float16 / bfloat16 (narrowing: from float32), a block at a time; 1, with the rest
+ * left undone, at the first block that holds a NaN: numpy and ml_dtypes set a NaN's bits their own ways (payload,
+ * quieting), so the caller converts the whole array again with them. */
+int cast16(int kind, int narrowing, const void *src, void *dst, int64_t n) {
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int64_t m = n - start < BLOCK ? n - start : BLOCK;
+        const float *wide = narrowing ? (const float *)src + start : (const float *)dst + start;
+        if (narrowing) narrow(kind, wide, (uint16_t *)dst + start, m);
+        else widen(kind, (const uint16_t *)src + start, (float *)dst + start, m);
+        int nan = 0;
+        for (int64_t i = 0; i < m; i++) nan |= wide[i] != wide[i];
+        if (nan) return 1;
+    }
+    return 0;
+}
+
 /* Per block of `block` elements: scale = absmax / 127, q = rint(x * (127 / absmax)) in [-127, 127]; a block with
  * a NaN or an infinity gets a NaN scale and q = 0 (it decodes to NaN); an all-zero block scale 0 and q = 0. */
 void encode_int8(const float *x, int64_t n, int64_t block, float *scales, int8_t *q) {
@@ -423,11 +442,47 @@ static PyObject *py_add_finish(PyObject *self, PyObject *const *args, Py_ssize_t
     return result;
 }
 
+/* cast16(src, dst, kind): the C form of the same name from `src` into the writable `dst` (one of 4-byte, the other
+ * of 2-byte items, as many of each; kind FLOAT16 or BFLOAT16) -> False at the first block with a NaN, else True. */
+static PyObject *py_cast16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    Py_buffer src, dst;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "expected 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[2]);
+    if (kind == -1 && PyErr_Occurred()) return NULL;
+    if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int narrowing = src.itemsize == 4;
+    if ((kind != FLOAT16 && kind != BFLOAT16) || src.itemsize != (narrowing ? 4 : 2) ||
+        dst.itemsize != (narrowing ? 2 : 4) || src.len / src.itemsize != dst.len / dst.itemsize) {
+        PyErr_Format(PyExc_ValueError, "cast16: %zd items of %zd bytes into %zd of %zd (kind %ld): expected as many "
+                     "float32 and 16-bit ones", src.len / (src.itemsize ? src.itemsize : 1), src.itemsize,
+                     dst.len / (dst.itemsize ? dst.itemsize : 1), dst.itemsize, kind);
+    } else {
+        PyThreadState *state = let_go_for(dst.len);
+        int nan = cast16((int)kind, narrowing, src.buf, dst.buf, src.len / src.itemsize);
+        take_back(state);
+        result = nan ? Py_False : Py_True;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"float_keys", (PyCFunction)(void (*)(void))py_float_keys, METH_FASTCALL, "float_keys(floats, op): in place"},
     {"from_keys", (PyCFunction)(void (*)(void))py_from_keys, METH_FASTCALL, "from_keys(keys): in place"},
     {"finish", (PyCFunction)(void (*)(void))py_finish, METH_FASTCALL, "finish(floats, divisor) -> has NaN"},
     {"add_finish", (PyCFunction)(void (*)(void))py_add_finish, METH_FASTCALL, "add_finish(a, b, out, divisor)"},
+    {"cast16", (PyCFunction)(void (*)(void))py_cast16, METH_FASTCALL, "cast16(src, dst, kind) -> no NaN met"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -42,6 +42,8 @@ _FLOAT16 = np.dtype(np.float16)
 _KINDS = {_FLOAT16: 0, BFLOAT16: 1}  # kernels.c: FLOAT16, BFLOAT16
 _OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, AVG: 0}  # kernels.c: SUM, PROD, MIN, MAX (avg: a sum, then divided)
 KEY_DTYPES = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
+_FLOAT32 = np.dtype(np.float32)
+CAST16_FROM = 1024  # elements from which cast16 converts (below it numpy's cast costs less than the call)
 _CANONICAL_NAN = {np.dtype(np.int32): 0x7FC00000, np.dtype(np.int64): 0x7FF8000000000000}  # numpy's nan's bits
 
 
@@ -75,6 +77,9 @@ class Kernels:
         self.encode16, self.decode16 = library.encode16, library.decode16
         self.encode16.argtypes = [ctypes.c_int, pointer, pointer, size]
         self.decode16.argtypes = [ctypes.c_int, pointer, pointer, size, ctypes.c_int]
+        self.cast16 = library.cast16
+        self.cast16.argtypes = [ctypes.c_int, ctypes.c_int, pointer, pointer, size]
+        self.cast16.restype = ctypes.c_int
         self.encode_int8, self.decode_int8 = library.encode_int8, library.decode_int8
         self.encode_int8.argtypes = [pointer, size, size, pointer, pointer]
         self.decode_int8.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_int]
@@ -212,6 +217,31 @@ def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | _Loaded | 
     for chunk in chunks[1:-1]:
         combine(out, chunk, out, op)
     combine(out, chunks[-1], out, op, finish=True)
+
+
+def cast16(src, dst, kernels: Kernels | _Loaded | None = LOADED) -> bool:
+    """``dst`` <- ``src`` in ``dst``'s dtype, one float32 and the other float16/bfloat16 (contiguous 1-D host arrays
+    of one size, ``dst`` writable), in one pass of the extension, bitwise numpy's (ml_dtypes') cast; False, with
+    ``dst`` undefined, where it did not: the extension not loaded, fewer than ``CAST16_FROM`` elements, or a NaN met
+    (whose bits numpy sets its own way)."""
+    if type(src) is not np.ndarray or type(dst) is not np.ndarray or src.size != dst.size or src.size < CAST16_FROM \
+            or not (src.flags.c_contiguous and dst.flags.c_contiguous and dst.flags.writeable):
+        return False
+    narrowing = src.dtype == _FLOAT32
+    wide, short = (src, dst) if narrowing else (dst, src)
+    kind = _KINDS.get(short.dtype)
+    if kernels is LOADED:
+        kernels = load() if kind is not None and wide.dtype == _FLOAT32 else None
+    if kernels is None or kind is None or wide.dtype != _FLOAT32:
+        return False
+    if kernels.module is not None:
+        try:
+            return kernels.module.cast16(src, dst, kind)
+        except (BufferError, ValueError):  # (a buffer it cannot take: refused before any element is written)
+            return False
+    bits = short.view(np.uint16)  # (a buffer ctypes takes: address()'s fast way)
+    pointers = (address(src), address(bits)) if narrowing else (address(bits), address(dst))
+    return kernels.cast16(kind, int(narrowing), *pointers, src.size) == 0
 
 
 def finish_floats(floats, divisor: int) -> bool | None:

@@ -13,12 +13,12 @@ from conftest import ALL_DTYPES, BFLOAT16, BOOL, LOW_PRECISION, OPS, dtype_id, o
 from mpi4py import MPI
 
 from mpcomm import AVG, MAX, MIN, PROD, SUM, Communicator, buffers
+from mpcomm.work_array import WorkArray, flat
 from mpcomm.buffers import (
     as_array,
     as_input,
     as_output,
     check_dtype_op,
-    flat,
     reduce_op,
     wire_dtype,
 )
@@ -233,6 +233,31 @@ def test_flat():
     assert f.shape == (12,) and np.shares_memory(f, a)
     assert flat(a[:, ::2]) is None and flat(a.T) is None and flat(a[::-1]) is None
     assert flat(np.ones(())).shape == (1,)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+@pytest.mark.parametrize("layout", ["contiguous", "2-D", "strided"])
+@pytest.mark.parametrize("nans", [False, True])
+def test_a_work_array_casts_as_numpy_and_writes_back(dtype, layout, nans):
+    """float16/bfloat16 widened to float32 on entry and narrowed back on exit (the extension's pass where it takes
+    them; numpy's where a NaN is there), bitwise numpy's casts, NaN payloads, infinities and values that overflow on
+    the way back included."""
+    rng = np.random.default_rng(3)
+    n = 2**20 + 3
+    base = (rng.standard_normal(2 * n) * 1e3).astype(dtype)
+    if nans:
+        base.view(np.uint16)[[6, 900_002]] = [0x7C01 if dtype == np.float16 else 0x7F81, 0xFE00 | 0x1F]
+    array = {"contiguous": base[:n], "2-D": base[: n - 3].reshape(1024, -1), "strided": base[::2]}[layout]
+    before = array.copy()
+    with WorkArray(array, np.float32) as work:
+        assert work.dtype == np.float32 and work.shape == (array.size,)
+        np.testing.assert_array_equal(work.view(np.uint32), before.reshape(-1).astype(np.float32).view(np.uint32))
+        work *= np.float32(70.0)  # (some overflow the 16-bit type)
+        expected = work.copy()
+    with np.errstate(over="ignore"):
+        expected = expected.astype(dtype).reshape(array.shape)
+    np.testing.assert_array_equal(array.view(np.uint16), expected.view(np.uint16))
+    assert np.isnan(array.astype(np.float32)).any() == nans
 
 
 @pytest.fixture(scope="module")

@@ -437,3 +437,73 @@ def test_checks_catch_a_broken_kernel(mutant, tmp_path):
     """A kernel with one deliberate bug, built from a mutated kernels.c, fails the same check the real one passes."""
     path = mutated_library(tmp_path, *MUTANTS[mutant], WITHOUT_BF16_INSTRUCTION, count=-1)
     assert_caught(path, CAUGHT_BY[mutant], 3, mutant)
+
+
+# ------------------------------------------------------------------------------------------ cast16
+def cast16_mismatches(k, dtype) -> int:
+    """Elements where ``kernels.cast16`` through ``k`` differs in bits from numpy's (ml_dtypes') cast: widening
+    every 16-bit pattern but the NaNs, narrowing float32 of every exponent (subnormals, rounding ties, values that
+    overflow, infinities); a cast it refused counts as all of them."""
+    patterns = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    patterns = patterns[~np.isnan(patterns.astype(np.float32))]
+    rng = np.random.default_rng(16)
+    wide = rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    with np.errstate(over="ignore"):
+        wide = np.concatenate([wide[~np.isnan(wide)], patterns.astype(np.float32) * np.float32(1.5),  # (ties)
+                               np.float32([np.inf, -np.inf, 0.0, -0.0, 3.4e38, 1e-45, 65520.0, 65519.0])])
+    missed = 0
+    for src, dst in ((patterns, np.empty(patterns.size, np.float32)), (wide, np.empty(wide.size, dtype))):
+        with np.errstate(over="ignore"):
+            expected = src.astype(dst.dtype)
+        if not kernels.cast16(src, dst, k):
+            missed += src.size
+        missed += int((dst.view(np.uint8).reshape(dst.size, -1) != expected.view(np.uint8).reshape(dst.size, -1))
+                      .any(axis=1).sum())
+    return missed
+
+
+@pytest.mark.parametrize("implementation", ["compiled", "ctypes"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_cast16_is_numpys_cast(implementation, dtype):
+    assert cast16_mismatches(IMPLEMENTATIONS[implementation](), dtype) == 0
+
+
+def refuses_nans(k, dtype) -> bool:
+    """Whether ``kernels.cast16`` through ``k`` refuses to widen or narrow an array holding a NaN (numpy and
+    ml_dtypes keep or quiet a NaN's payload their own ways)."""
+    short = np.ones(4096, dtype)
+    short.view(np.uint16)[4000] = 0x7C01 if dtype == np.float16 else 0x7F81  # (a signalling NaN)
+    wide = np.ones(4096, np.float32)
+    wide.view(np.uint32)[-1] = 0x7F800001
+    return not kernels.cast16(short, np.empty(4096, np.float32), k) and not kernels.cast16(wide, np.empty(4096, dtype), k)
+
+
+@pytest.mark.parametrize("implementation", ["compiled", "ctypes"])
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_cast16_leaves_nans_and_what_it_does_not_take_to_numpy(implementation, dtype):
+    """It refuses a NaN, fewer than CAST16_FROM elements, other dtypes, arrays that are not contiguous, and a
+    read-only destination."""
+    k = IMPLEMENTATIONS[implementation]()
+    assert refuses_nans(k, dtype)
+    few = kernels.CAST16_FROM - 1
+    assert not kernels.cast16(np.ones(few, dtype), np.empty(few, np.float32), k)
+    assert not kernels.cast16(np.ones(4096, np.float64), np.empty(4096, np.float32), k)
+    assert not kernels.cast16(np.ones(8192, dtype)[::2], np.empty(4096, np.float32), k)
+    read_only = np.empty(4096, dtype)
+    read_only.flags.writeable = False
+    assert not kernels.cast16(np.ones(4096, np.float32), read_only, k)
+    assert kernels.cast16(np.ones(4096, dtype), np.empty(4096, np.float32), k)
+
+
+@pytest.mark.parametrize("mutant", ["float16 truncates", "NaN not looked for"])
+def test_cast16_checks_catch_a_broken_cast(mutant, tmp_path):
+    """A narrowing that truncates, or a cast that converts NaNs itself, fails the checks the real one passes."""
+    if mutant == "float16 truncates":
+        if "f16c" not in kernels._cpu_flags().split():
+            pytest.skip("this CPU has no F16C: its vector narrowing is not built here")
+        path = mutated_library(tmp_path, "_mm256_cvtps_ph(_mm256_loadu_ps(acc + i), _MM_FROUND_TO_NEAREST_INT)",
+                               "_mm256_cvtps_ph(_mm256_loadu_ps(acc + i), _MM_FROUND_TO_ZERO)")
+        assert cast16_mismatches(kernels.Kernels(ctypes.CDLL(path)), np.float16) > 0, "missed a truncating cast"
+    else:
+        path = mutated_library(tmp_path, "if (nan) return 1;", "(void)nan;")
+        assert not refuses_nans(kernels.Kernels(ctypes.CDLL(path)), np.float16), "missed a cast that takes NaNs"

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(mpcomm.__file__)
 # Bottom to top. A module's layer is that of the longest name listed that is it or a package holding it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("facts", ("mpcomm.errors", "mpcomm.info", "mpcomm.mpi_library", "mpcomm.cuda", "mpcomm.buffers",
-               "mpcomm.kernels", "mpcomm.native_calls", "mpcomm.compression", "mpcomm.tuning.table",
+               "mpcomm.kernels", "mpcomm.work_array", "mpcomm.native_calls", "mpcomm.compression", "mpcomm.tuning.table",
                "mpcomm.schedules")),
     ("transports", ("mpcomm.transport", "mpcomm.topology", "mpcomm.settings", "mpcomm.work", "mpcomm.p2p",
                     "mpcomm.device", "mpcomm.staging", "mpcomm.trace")),

@@ -134,11 +134,11 @@ class CostModel:
     # in (MPICH and Open MPI at p = 2 on one node, 32-64 MiB; openmpi.md, "Stop 32").
     fresh_page_byte: float = 0.19e-9
     # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
-    # buffer (bench/results/observations.md, "numpy's casts of 16-bit floats"): float16 and bfloat16 widened to
-    # float32 and narrowed back, numpy's casts (float16's are slower: no F16C loops);
-    # one read-modify-write pass (avg's division); direct's compiled float32
-    # reduction of 16-bit parts, per byte read. (native's NaN check after a float sum is in native_byte_scale.)
-    widen_bytes: tuple = (("float16", 2.0e-9), ("bfloat16", 0.45e-9))
+    # buffer: float16 and bfloat16 widened to float32 and narrowed back (the extension's cast16, a work array's
+    # round trip at 64 KiB-4 MiB: bench/results/dtype_op.md, "Stop 33"); one read-modify-write pass (avg's
+    # division); direct's compiled float32 reduction of 16-bit parts, per byte read. (native's NaN check after a
+    # float sum is in native_byte_scale.)
+    widen_byte: float = 0.12e-9
     pass_byte: float = 40e-12
     kernel16_byte: float = 65e-12
     # native's per-byte cost for integers (and bool, as uint8) of each item size, against floats': MPICH reduces
@@ -282,7 +282,7 @@ class CostModel:
             if algorithm in KEEP_LOW_PRECISION:
                 total += self.alpha_pass + n * self.kernel16_byte
             else:
-                total += 2 * self.alpha_pass + n * dict(self.widen_bytes)[str(dtype)]
+                total += 2 * self.alpha_pass + n * self.widen_byte
         keys = layout.num_nodes > 1 or not self.native_min_max_op
         if algorithm == "native" and op in (MIN, MAX) and keys and (dtype.kind == "f" or dtype in LOW_PRECISION):
             total += 2 * (self.alpha_kernel + wire * self.pass_byte)  # to keys and back
