@@ -449,6 +449,23 @@ def test_auto_on_one_open_mpi_node_keeps_native_below_32_mib_and_leaves_it_from_
     assert CostModel().for_layout(Layout(2, (2,))).alpha_py == CostModel().alpha_py
 
 
+@pytest.mark.parametrize("library_name", ["mpich", "openmpi"])
+def test_a_large_reduce_scatter_on_one_node_leaves_native(library_name):
+    """At p = 2 on one node the library's reduce-scatter took 1.4-1.6x (MPICH) and 5-9x (Open MPI) mpcomm's ring
+    from 2 MiB, where auto had chosen it at every size; a small one stays native, and across nodes the pricing is
+    half an all-reduce's as before (bench/results/dtype_op.md, "Stop 33: reduce-scatter")."""
+    from mpcomm.mpi_library import PROFILES
+
+    model = CostModel.of_library(PROFILES[library_name])
+    selector = Selector(layout=Layout(2, (2,)), candidates={op: tuple(a) for op, a in REGISTRY.items()}, model=model)
+    f32 = np.dtype(np.float32)
+    assert selector.predict("reduce_scatter", 8 << 10, dtype=f32, op="sum") == "native"
+    for n in (2 << 20, 8 << 20, 64 << 20):
+        assert selector.predict("reduce_scatter", n, dtype=f32, op="sum") not in ("native", "rhd"), n
+    across = Layout(4, (2, 2))
+    assert model.collective("reduce_scatter", "native", 8 << 20, across) == model.half_allreduce("native", 8 << 20, across)
+
+
 @pytest.mark.parametrize("layout", PRICED_LAYOUTS, ids=lambda lay: f"{lay.node_sizes}-rpc{lay.ranks_per_core:g}")
 def test_avg_is_priced_where_its_division_runs(layout):
     """avg's division costs what the code does: nothing beside the ring's, pipelined ring's, rhd's and direct's

@@ -146,6 +146,11 @@ class CostModel:
     # moved 4- and 8-byte integer sums and maxima at ~0.85 of float32's time at 512 KiB-1 MiB on one node, where the
     # ring takes floats (bench/results/dtype_op.md, "Stop 32": where native and the ring cross).
     native_int_scale: tuple = ((1, 2.0), (2, 1.6), (4, 0.8), (8, 0.8))
+    # native's reduce-scatter on one node, its per-byte terms against mpcomm's ring's: MPICH's non-blocking one took
+    # 1.4-1.6x the ring from 2 MiB at p = 2 (2.6-3.9x at 128-512 KiB, where its blocking one does not), Open MPI's 5-9x
+    # (bench/results/dtype_op.md, "Stop 33: reduce-scatter"); across nodes it is half an all-reduce
+    # (``half_allreduce``)
+    native_reduce_scatter_scale: float = 3.0
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
     # One call of the extension module's float passes (``mpcomm.kernels``: avg's finish), however small, its Python
     # wrapper included (bench/results/observations.md, "The extension's passes").
@@ -271,13 +276,15 @@ class CostModel:
         float16/bfloat16 widened to float32 and back (all but direct; direct's compiled reduction instead),
         native's float min/max mapped to integer keys and back where it keeps MPI's ops (across nodes, or a library
         without ``native_min_max_op``; on one node it assumes ``native_calls`` built, as it is where ``mpi.h`` is),
-        avg's division (of the part each rank finishes).
+        avg's division (of the part each rank finishes), rhd's reduce-scatter's copy of the input it halves in.
         ``nbytes`` is the user's buffer; the wire bytes are :meth:`wire_bytes`."""
         if op is None or layout.size == 1 or nbytes == 0:
             return 0.0
         n, p = float(nbytes), layout.size
         wire = self.wire_bytes(algorithm, nbytes, dtype, op)
         total = 0.0
+        if (operation, algorithm) == ("reduce_scatter", "rhd"):
+            total += self.alpha_pass + wire * self.pass_byte
         if dtype in LOW_PRECISION:
             if algorithm in KEEP_LOW_PRECISION:
                 total += self.alpha_pass + n * self.kernel16_byte
@@ -402,7 +409,8 @@ class CostModel:
             return math.inf
         moved = nbytes * (lg if operation == "broadcast" and algorithm == "tree" else (p - 1) / p)
         reduce = (p - 1) / p * nbytes * self.gamma if operation == "reduce_scatter" else 0.0
-        return steps[algorithm] * a + moved * b + reduce
+        scale = self.native_reduce_scatter_scale if (algorithm, operation) == ("native", "reduce_scatter") else 1.0
+        return steps[algorithm] * a + scale * (moved * b + reduce)
 
 
     def _rooted_or_personalized(self, operation: str, algorithm: str, n: float, p: int, lg: int, a: float,
