@@ -71,12 +71,13 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # native): rhd's 8 B all-reduce takes 14-16 us for its two steps there, and at 25 auto kept avg on native at
     # 512 KiB, 1.17-1.40x the ring and rhd (openmpi.md, "Stop 32"; across simulated nodes 10 us sent 4-16 KiB from
     # native, 1.5-2.7x behind it). Its 4- and 8-byte integers are priced as its floats (not measured apart). Its
-    # reduce-scatter (blocking or not) took 5-9x mpcomm's ring from 2 MiB at p = 2 (dtype_op.md, "Stop 33").
+    # reduce-scatter (blocking or not) took 5-9x mpcomm's ring from 2 MiB at p = 2, its non-blocking reduce (libnbc)
+    # 2.8-4.1x mpcomm's tree at 512 KiB-4 MiB (dtype_op.md, "Stop 33").
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None),
                        cost_model=(("native_byte_scale", 1.0), ("native_across_nodes", "binomial"),
                                    ("alpha_py_in_node", 10e-6), ("native_int_scale", ((1, 2.0), (2, 1.6))),
-                                   ("native_reduce_scatter_scale", 5.0))),
+                                   ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).
 UNKNOWN = Library("unknown", persistent_upto=0, blocking_above=None)

@@ -146,11 +146,11 @@ class CostModel:
     # moved 4- and 8-byte integer sums and maxima at ~0.85 of float32's time at 512 KiB-1 MiB on one node, where the
     # ring takes floats (bench/results/dtype_op.md, "Stop 32": where native and the ring cross).
     native_int_scale: tuple = ((1, 2.0), (2, 1.6), (4, 0.8), (8, 0.8))
-    # native's reduce-scatter on one node, its per-byte terms against mpcomm's ring's: MPICH's non-blocking one took
-    # 1.4-1.6x the ring from 2 MiB at p = 2 (2.6-3.9x at 128-512 KiB, where its blocking one does not), Open MPI's 5-9x
-    # (bench/results/dtype_op.md, "Stop 33: reduce-scatter"); across nodes it is half an all-reduce
-    # (``half_allreduce``)
-    native_reduce_scatter_scale: float = 3.0
+    # native's per-byte terms on one node against the scheme it is priced as, per collective (the rest: 1):
+    # MPICH's non-blocking reduce-scatter took 1.4-1.6x mpcomm's ring from 2 MiB at p = 2 (2.6-3.9x at 128-512 KiB,
+    # where its blocking one does not); the library's profile gives its own (bench/results/dtype_op.md, "Stop 33:
+    # reduce-scatter"). Across nodes a reduce-scatter is half an all-reduce (``half_allreduce``).
+    native_collective_scale: tuple = (("reduce_scatter", 3.0),)
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
     # One call of the extension module's float passes (``mpcomm.kernels``: avg's finish), however small, its Python
     # wrapper included (bench/results/observations.md, "The extension's passes").
@@ -276,14 +276,15 @@ class CostModel:
         float16/bfloat16 widened to float32 and back (all but direct; direct's compiled reduction instead),
         native's float min/max mapped to integer keys and back where it keeps MPI's ops (across nodes, or a library
         without ``native_min_max_op``; on one node it assumes ``native_calls`` built, as it is where ``mpi.h`` is),
-        avg's division (of the part each rank finishes), rhd's reduce-scatter's copy of the input it halves in.
+        avg's division (of the part each rank finishes), rhd's reduce-scatter's and reduce's copy of the input they
+        halve in.
         ``nbytes`` is the user's buffer; the wire bytes are :meth:`wire_bytes`."""
         if op is None or layout.size == 1 or nbytes == 0:
             return 0.0
         n, p = float(nbytes), layout.size
         wire = self.wire_bytes(algorithm, nbytes, dtype, op)
         total = 0.0
-        if (operation, algorithm) == ("reduce_scatter", "rhd"):
+        if algorithm == "rhd" and operation in ("reduce_scatter", "reduce"):
             total += self.alpha_pass + wire * self.pass_byte
         if dtype in LOW_PRECISION:
             if algorithm in KEEP_LOW_PRECISION:
@@ -403,27 +404,33 @@ class CostModel:
         a, b = self._link(layout.num_nodes > 1, alpha)
         lg = math.ceil(math.log2(p))
         if operation in ("reduce", "all_to_all", "all_to_all_v"):
-            return self._rooted_or_personalized(operation, algorithm, float(nbytes), p, lg, a, b)
+            scale = self._native_collective_scale(operation, layout) if algorithm == "native" else 1.0
+            return self._rooted_or_personalized(operation, algorithm, float(nbytes), p, lg, a, b, scale)
         steps = {"ring": p - 1, "ring_pipelined": p - 1, "direct": p - 1, "rhd": lg, "tree": lg, "native": lg}
         if algorithm not in steps:
             return math.inf
         moved = nbytes * (lg if operation == "broadcast" and algorithm == "tree" else (p - 1) / p)
         reduce = (p - 1) / p * nbytes * self.gamma if operation == "reduce_scatter" else 0.0
-        scale = self.native_reduce_scatter_scale if (algorithm, operation) == ("native", "reduce_scatter") else 1.0
+        scale = self._native_collective_scale(operation, layout) if algorithm == "native" else 1.0
         return steps[algorithm] * a + scale * (moved * b + reduce)
+
+    def _native_collective_scale(self, operation: str, layout: Layout) -> float:
+        """``native_collective_scale`` of ``operation`` where it applies (one node), else 1."""
+        return dict(self.native_collective_scale).get(operation, 1.0) if layout.num_nodes == 1 else 1.0
 
 
     def _rooted_or_personalized(self, operation: str, algorithm: str, n: float, p: int, lg: int, a: float,
-                                b: float) -> float:
+                                b: float, native_scale: float = 1.0) -> float:
         """reduce (n: the vector) and all-to-all (n: one rank's send buffer, p blocks of n/p).
 
         reduce: the binomial tree moves the whole vector in each of log p rounds; Rabenseifner's moves
         2(p-1)/p of it in 2 log p; MPICH's native picks between the two by size (as the min here).
         all-to-all: pairwise sends each block once in p-1 rounds; Bruck sends half the buffer in each of
         log p rounds (and, per-peer counts, exchanges the counts first); MPICH's native uses Bruck for small
-        blocks and pairwise exchanges for large ones (the min here), byte terms scaled as for its all-reduce.
+        blocks and pairwise exchanges for large ones (the min here), byte terms scaled as for its all-reduce and by
+        ``native_scale``.
         """
-        scale = self.native_byte_scale if algorithm == "native" else 1.0
+        scale = self.native_byte_scale * native_scale if algorithm == "native" else 1.0
         if operation == "reduce":
             tree = lg * (a + scale * n * (b + self.gamma))
             halving = 2 * lg * a + scale * (p - 1) / p * n * (2 * b + self.gamma)
