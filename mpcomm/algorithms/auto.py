@@ -276,16 +276,13 @@ class CostModel:
         float16/bfloat16 widened to float32 and back (all but direct; direct's compiled reduction instead),
         native's float min/max mapped to integer keys and back where it keeps MPI's ops (across nodes, or a library
         without ``native_min_max_op``; on one node it assumes ``native_calls`` built, as it is where ``mpi.h`` is),
-        avg's division (of the part each rank finishes), rhd's reduce-scatter's and reduce's copy of the input they
-        halve in.
+        avg's division (of the part each rank finishes).
         ``nbytes`` is the user's buffer; the wire bytes are :meth:`wire_bytes`."""
         if op is None or layout.size == 1 or nbytes == 0:
             return 0.0
         n, p = float(nbytes), layout.size
         wire = self.wire_bytes(algorithm, nbytes, dtype, op)
         total = 0.0
-        if algorithm == "rhd" and operation in ("reduce_scatter", "reduce"):
-            total += self.alpha_pass + wire * self.pass_byte
         if dtype in LOW_PRECISION:
             if algorithm in KEEP_LOW_PRECISION:
                 total += self.alpha_pass + n * self.kernel16_byte
@@ -406,7 +403,9 @@ class CostModel:
         if operation in ("reduce", "all_to_all", "all_to_all_v"):
             scale = self._native_collective_scale(operation, layout) if algorithm == "native" else 1.0
             return self._rooted_or_personalized(operation, algorithm, float(nbytes), p, lg, a, b, scale)
-        steps = {"ring": p - 1, "ring_pipelined": p - 1, "direct": p - 1, "rhd": lg, "tree": lg, "native": lg}
+        # (direct's reduce-scatter is one exchange: every part posted at once, then one pass over them)
+        steps = {"ring": p - 1, "ring_pipelined": p - 1, "direct": 1 if operation == "reduce_scatter" else p - 1,
+                 "rhd": lg, "tree": lg, "native": lg}
         if algorithm not in steps:
             return math.inf
         moved = nbytes * (lg if operation == "broadcast" and algorithm == "tree" else (p - 1) / p)

@@ -54,9 +54,13 @@ def _span(blocks, lo: int, hi: int) -> slice:
     return slice(blocks[lo][0], blocks[hi - 1][1])
 
 
-def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks, finish: bool = False) -> None:
-    """In place on the virtual group: afterwards ``buf[blocks[vrank]]`` holds its fully reduced block (``finish``:
-    finished by the last round's reduction, as the ring's last step does: avg's division in the same pass)."""
+def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks, finish: bool = False,
+                           src=None) -> None:
+    """On the virtual group: afterwards ``buf[blocks[vrank]]`` holds its fully reduced block (``finish``: finished
+    by the last round's reduction, as the ring's last step does: avg's division in the same pass). The first round
+    reads this rank's vector from ``src`` (default ``buf``: in place), so an input that must stay as it is needs
+    no copy first."""
+    src = buf if src is None else src
     vrank, lo, hi = fold.index, 0, fold.p2
     incoming = t.scratch("rhd.recv", buf.size, buf.dtype, like=buf)
     mask = fold.p2 // 2
@@ -65,10 +69,12 @@ def halving_reduce_scatter(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks,
         keep, give = ((lo, mid), (mid, hi)) if not vrank & mask else ((mid, hi), (lo, mid))
         kept = buf[_span(blocks, *keep)]
         received = incoming[: kept.size]
-        t.sendrecv(buf[_span(blocks, *give)], fold.real(vrank ^ mask), received, fold.real(vrank ^ mask))
-        combine(kept, received, kept, op, finish and mask == 1)
-        lo, hi = keep
+        t.sendrecv(src[_span(blocks, *give)], fold.real(vrank ^ mask), received, fold.real(vrank ^ mask))
+        combine(src[_span(blocks, *keep)], received, kept, op, finish and mask == 1)
+        src, lo, hi = buf, *keep
         mask //= 2
+    if src is not buf:  # (no round: one rank)
+        buf[...] = src
     if finish and fold.p2 == 1:  # (no round to finish in)
         op.finish(buf[_span(blocks, lo, hi)])
 
@@ -86,14 +92,17 @@ def doubling_all_gather(t: Transport, fold: _Fold, buf, blocks) -> None:
         mask <<= 1
 
 
-def fold_and_halve(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks, finish: bool = False) -> None:
+def fold_and_halve(t: Transport, fold: _Fold, buf, op: ReduceOp, blocks, finish: bool = False, src=None) -> None:
     """The odd rank of a folded pair adds its partner's vector in, then the virtual group reduce-scatters by
-    recursive halving: afterwards ``buf[blocks[vrank]]`` is fully reduced (and finished, with ``finish``)."""
+    recursive halving: afterwards ``buf[blocks[vrank]]`` is fully reduced (and finished, with ``finish``). This
+    rank's vector is read from ``src`` (default ``buf``), as :func:`halving_reduce_scatter` does."""
+    src = buf if src is None else src
     if t.rank < 2 * fold.rem:
         incoming = t.scratch("rhd.fold", buf.size, buf.dtype, like=buf)
         t.recv(incoming, t.rank - 1)
-        combine(buf, incoming, buf, op)
-    halving_reduce_scatter(t, fold, buf, op, blocks, finish)
+        combine(src, incoming, buf, op)
+        src = buf
+    halving_reduce_scatter(t, fold, buf, op, blocks, finish, src)
 
 
 def binomial_gather_blocks(t: Transport, fold: _Fold, buf, blocks, vroot: int) -> None:
@@ -119,16 +128,15 @@ def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
     to ``root`` (``recvbuf`` may be None elsewhere). Moves 2(p-1)/p of the vector per rank instead of the
     tree's log p whole vectors, so it wins for large messages."""
     fold = _Fold(t.size, t.rank)
-    work = t.scratch("rhd.work", sendbuf.size, sendbuf.dtype, like=sendbuf)
-    work[...] = sendbuf
     vroot = fold.virtual(root)
     if fold.vrank is None:  # even rank of a folded pair: hand the data over (and, as root, get the result)
-        t.send(work, t.rank + 1)
+        t.send(sendbuf, t.rank + 1)
         if t.rank == root:
             t.recv(recvbuf, t.rank + 1)
         return
+    work = t.scratch("rhd.work", sendbuf.size, sendbuf.dtype, like=sendbuf)
     blocks = chunk_bounds(work.size, fold.p2)
-    fold_and_halve(t, fold, work, op, blocks, finish=True)
+    fold_and_halve(t, fold, work, op, blocks, finish=True, src=sendbuf)
     binomial_gather_blocks(t, fold, work, blocks, vroot)
     if fold.vrank == vroot:
         if t.rank == root:
@@ -159,8 +167,7 @@ def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
         op.finish(recvbuf)
         return
     work = t.scratch("rhd.work", sendbuf.size, sendbuf.dtype, like=sendbuf)
-    work[...] = sendbuf
-    fold_and_halve(t, fold, work, op, fold.blocks(bounds))
+    fold_and_halve(t, fold, work, op, fold.blocks(bounds), src=sendbuf)
     if t.rank < 2 * fold.rem:
         t.send(work[slice(*bounds[t.rank - 1])], t.rank - 1)
     recvbuf[...] = work[slice(*bounds[t.rank])]
