@@ -230,9 +230,10 @@ def cast16(src, dst, kernels: Kernels | _Loaded | None = LOADED) -> bool:
     narrowing = src.dtype == _FLOAT32
     wide, short = (src, dst) if narrowing else (dst, src)
     kind = _KINDS.get(short.dtype)
-    if kernels is LOADED:
-        kernels = load() if kind is not None and wide.dtype == _FLOAT32 else None
-    if kernels is None or kind is None or wide.dtype != _FLOAT32:
+    if kind is None or wide.dtype != _FLOAT32:
+        return False
+    kernels = load() if kernels is LOADED else kernels
+    if kernels is None:
         return False
     if kernels.module is not None:
         try:

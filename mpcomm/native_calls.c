@@ -169,6 +169,15 @@ static int shared_arguments(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t 
 /* Whether `finished` can do `finish` for these values (a division only of real floats). */
 static int can_finish(long finish, int floats, Py_ssize_t parts) { return finish <= 1 || (floats && parts == 1); }
 
+/* What the all-reduces need of their buffer `view`: its MPI datatype (with datatype_of's floats and parts) and its
+ * element count; MPI_DATATYPE_NULL where they do not take it with `finish` (a format without an MPI datatype here,
+ * more elements than an int counts, a finish `finished` cannot do). */
+static MPI_Datatype reducible(const Py_buffer *view, long finish, int *floats, Py_ssize_t *parts, Py_ssize_t *count) {
+    MPI_Datatype type = datatype_of(view, floats, parts);
+    *count = view->itemsize ? view->len / view->itemsize : 0;
+    return *count > 0x7fffffff || !can_finish(finish, *floats, *parts) ? MPI_DATATYPE_NULL : type;
+}
+
 static int done_after(MPI_Request *request, long tests, int *code) {
     int done = 0;
     for (long i = 0; i < tests && !done; i++)
@@ -189,12 +198,11 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
     Py_buffer view;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
     int floats, code = MPI_SUCCESS;
-    Py_ssize_t parts;
-    MPI_Datatype type = datatype_of(&view, &floats, &parts);
-    Py_ssize_t count = view.itemsize ? view.len / view.itemsize : 0;
+    Py_ssize_t parts, count;
+    MPI_Datatype type = reducible(&view, finish, &floats, &parts, &count);
     PyObject *result = NULL;
     MPI_Request request;
-    if (type == MPI_DATATYPE_NULL || count > 0x7fffffff || !can_finish(finish, floats, parts)) {
+    if (type == MPI_DATATYPE_NULL) {
         result = Py_NewRef(Py_NotImplemented);
     } else if ((code = MPI_Iallreduce(MPI_IN_PLACE, view.buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op),
                                       MPI_Comm_f2c((MPI_Fint)comm), &request)) != MPI_SUCCESS) {
@@ -238,14 +246,13 @@ static PyObject *meet_allreduce(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     }
     int floats, code = MPI_SUCCESS;
-    Py_ssize_t parts;
-    MPI_Datatype type = datatype_of(&view, &floats, &parts);
-    Py_ssize_t count = view.itemsize ? view.len / view.itemsize : 0;
+    Py_ssize_t parts, count;
+    MPI_Datatype type = reducible(&view, finish, &floats, &parts, &count);
     int64_t *mine = meeting.buf, *extremes = mine + 4;
     MPI_Comm communicator = MPI_Comm_f2c((MPI_Fint)comm);
     PyObject *result = NULL;
     MPI_Request request;
-    if (type == MPI_DATATYPE_NULL || count > 0x7fffffff || !can_finish(finish, floats, parts)) {
+    if (type == MPI_DATATYPE_NULL) {
         result = Py_NewRef(Py_NotImplemented);
         goto release;
     }

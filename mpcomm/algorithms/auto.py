@@ -400,8 +400,8 @@ class CostModel:
         alpha = self.alpha_native if algorithm == "native" else self.alpha_py
         a, b = self._link(layout.num_nodes > 1, alpha)
         lg = math.ceil(math.log2(p))
+        scale = self._native_collective_scale(operation, layout) if algorithm == "native" else 1.0
         if operation in ("reduce", "all_to_all", "all_to_all_v"):
-            scale = self._native_collective_scale(operation, layout) if algorithm == "native" else 1.0
             return self._rooted_or_personalized(operation, algorithm, float(nbytes), p, lg, a, b, scale)
         # (direct's reduce-scatter is one exchange: every part posted at once, then one pass over them)
         steps = {"ring": p - 1, "ring_pipelined": p - 1, "direct": 1 if operation == "reduce_scatter" else p - 1,
@@ -410,7 +410,6 @@ class CostModel:
             return math.inf
         moved = nbytes * (lg if operation == "broadcast" and algorithm == "tree" else (p - 1) / p)
         reduce = (p - 1) / p * nbytes * self.gamma if operation == "reduce_scatter" else 0.0
-        scale = self._native_collective_scale(operation, layout) if algorithm == "native" else 1.0
         return steps[algorithm] * a + scale * (moved * b + reduce)
 
     def _native_collective_scale(self, operation: str, layout: Layout) -> float:

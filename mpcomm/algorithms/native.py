@@ -257,18 +257,17 @@ def _meet_then_block(t: Transport, buf, op: ReduceOp, mpi_op, finish: int) -> bo
     ``native_calls``' one C call where it is built and the meeting is done within its tests (True if it also
     finished as ``finish`` asks), else through mpi4py's calls."""
     calls, kind = load_calls(), _kind(buf.dtype, op.name)
-    if calls is not None:
-        meeting = t.scratch("native.meeting", 8, np.int64)
-        outcome = calls.meet_allreduce(t.fortran, buf, mpi_op.py2f(), finish, _MEETING_TESTS, kind, meeting)
-        if outcome is None:
-            return finish != 0
-        if outcome is not NotImplemented:
-            if outcome is not False:  # (the meeting still runs: waited for within the deadline)
-                t.wait_one(MPI.Request.f2py(outcome))
-            _check_met(t, buf, op, meeting[4:])
-            t.mpi.Allreduce(MPI.IN_PLACE, buf, mpi_op)
-            return False
-    _meet(t, buf, op, kind)
+    meeting = t.scratch("native.meeting", 8, np.int64)
+    outcome = NotImplemented if calls is None else \
+        calls.meet_allreduce(t.fortran, buf, mpi_op.py2f(), finish, _MEETING_TESTS, kind, meeting)
+    if outcome is None:
+        return finish != 0
+    if outcome is NotImplemented:
+        _meet(t, buf, op, kind)
+    else:
+        if outcome is not False:  # (the meeting still runs: waited for within the deadline)
+            t.wait_one(MPI.Request.f2py(outcome))
+        _check_met(t, buf, op, meeting[4:])
     t.mpi.Allreduce(MPI.IN_PLACE, buf, mpi_op)
     return False
 
