@@ -18,7 +18,7 @@ import argparse
 
 import numpy as np
 from mpi4py import MPI
-from small_messages import library_name, measure, summarize, sweep_arguments, write_rows
+from small_messages import library_name, measure, print_rows, summarize, sweep_arguments, write_rows
 
 from mpcomm import Communicator
 from mpcomm.algorithms import native
@@ -82,12 +82,8 @@ def main(argv=None) -> int:
     finally:
         native.library, native.load_calls = library, load_calls
     if comm.rank == 0:
-        print(f"{comm.size} ranks on {library_name()}; float32 sum; "
-              f"{args.rounds} rounds; us per call, median [min-max] of the rounds, ratio to raw Allreduce")
-        print(f"{'bytes':>9} {'contender':30} {'median':>10} {'spread':>21} {'x raw':>6}")
-        for row in rows:
-            spread = f"[{row['min_us']:.2f}-{row['max_us']:.2f}]"
-            print(f"{row['bytes']:9d} {row['contender']:30} {row['median_us']:10.2f} {spread:>21} {row['ratio']:6.2f}")
+        print_rows(f"{comm.size} ranks on {library_name()}; float32 sum; {args.rounds} rounds; us per call, median "
+                   "[min-max] of the rounds, ratio to raw Allreduce", rows, "x raw")
         write_rows(args.json, comm, args.rounds, rows)
     comm.free()
     return 0

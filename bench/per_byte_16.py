@@ -16,7 +16,7 @@ import argparse
 import ml_dtypes
 import numpy as np
 from mpi4py import MPI
-from small_messages import library_name, measure, summarize, sweep_arguments, write_rows
+from small_messages import library_name, measure, print_rows, summarize, sweep_arguments, write_rows
 
 from mpcomm import Communicator
 
@@ -49,11 +49,8 @@ def main(argv=None) -> int:
         for row in summarize(times, f"float32 {fastest}"):
             rows.append({"bytes": nbytes, "calls": loop, **row})
     if comm.rank == 0:
-        print(f"{comm.size} ranks on {library_name()}; sums; {args.rounds} rounds; us per call, median [min-max] of "
-              "the rounds, ratio to float32's fastest")
-        for row in rows:
-            spread = f"[{row['min_us']:.1f}-{row['max_us']:.1f}]"
-            print(f"{row['bytes']:9d} {row['contender']:18} {row['median_us']:10.1f} {spread:>21} {row['ratio']:6.2f}")
+        print_rows(f"{comm.size} ranks on {library_name()}; sums; {args.rounds} rounds; us per call, median "
+                   "[min-max] of the rounds, ratio to float32's fastest", rows, "x f32")
         write_rows(args.json, comm, args.rounds, rows)
     comm.free()
     return 0

@@ -131,6 +131,16 @@ def write_rows(path: str | None, comm: Communicator, rounds: int, rows: list) ->
             json.dump({"ranks": comm.size, "library": library_name(), "rounds": rounds, "rows": rows}, f, indent=1)
 
 
+def print_rows(title: str, rows: list, ratio: str) -> None:
+    """``title``, then a line per row of a sweep: bytes, contender, median and spread of the rounds (us), and the
+    ratio to the reference under the heading ``ratio``."""
+    print(title)
+    print(f"{'bytes':>9} {'contender':30} {'median':>10} {'spread':>21} {ratio:>6}")
+    for row in rows:
+        spread = f"[{row['min_us']:.2f}-{row['max_us']:.2f}]"
+        print(f"{row['bytes']:9d} {row['contender']:30} {row['median_us']:10.2f} {spread:>21} {row['ratio']:6.2f}")
+
+
 def summarize(times: dict[str, list[float]], reference: str) -> list[dict]:
     base = float(np.median(times[reference]))
     return [{"contender": name, "median_us": float(np.median(t)), "min_us": min(t), "max_us": max(t),

@@ -101,6 +101,17 @@ def test_progress_wait_tiny():
     assert "blocking allreduce" in out and "iallreduce + wait" in out and "ratio" in out, out
 
 
+def test_per_byte_16_tiny(tmp_path):
+    """Every contender at each size, float32's fastest at ratio 1.00, the rows in the JSON."""
+    path = tmp_path / "per_byte.json"
+    out = _run("bench/per_byte_16.py", "--sizes", "4096,8192", "--rounds", "2", "--calls", "2", "--json", str(path))
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 2 * 7 and {r["contender"] for r in rows} >= {"bfloat16 auto", "float16 direct", "float32 rhd"}
+    for size in (4096, 8192):
+        assert min(r["ratio"] for r in rows if r["bytes"] == size and r["contender"].startswith("float32")) == 1.0
+    assert "x f32" in out, out
+
+
 def test_pipeline_idle_tiny():
     out = _run("bench/pipeline_idle.py", "--schedule", "gpipe", "--micro-batches", "2", "--steps", "1", "--warmup", "0")
     rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
