@@ -7,8 +7,9 @@ how it waits on each library. For each size (float32 sum) this times, interleave
 ``Allreduce`` (no deadline: the reference), raw ``Iallreduce`` + ``Test`` loop and a raw persistent request
 (``Allreduce_init``, started per call over its own buffer, with the copies in and out) — what each way costs in
 MPI alone — then ``native`` forced to each of its ways (``[nonblocking]``, ``[persistent]``,
-``[meet+blocking]``), ``native`` as this library's profile chooses (through ``native_calls``' C call where it is
-built, and through mpi4py's calls), and mpcomm's rhd and ring. A loop's time is
+``[meet+blocking]``), ``native`` as this library's profile chooses (through ``native_calls``' C calls where they
+are built: the plan's express call up to 64 KiB where the way is the one C call; and through mpi4py's calls), and
+mpcomm's rhd and ring; each ``native`` on a Communicator of its own, whose plans are made under its way. A loop's time is
 the slowest rank's; reports the median loop, min-max as the spread, and each contender's ratio to raw
 ``Allreduce`` of the same size in the same run.
 """
@@ -28,7 +29,9 @@ from mpcomm.native_calls import load as load_calls
 SIZES = "8,64,512,4096,32768,262144,2097152,16777216"
 
 
-def contenders(comm: Communicator, buf: np.ndarray) -> dict:
+def contenders(comm: Communicator, buf: np.ndarray, comms: list) -> tuple[dict, MPI.Prequest]:
+    """The calls timed on ``buf``, by name, and the raw persistent request (freed by the caller, with the
+    Communicators each native contender gets, appended to ``comms``)."""
     world = comm.mpi
     own = np.empty_like(buf)
     persistent = world.Allreduce_init(MPI.IN_PLACE, own, MPI.SUM)
@@ -44,10 +47,13 @@ def contenders(comm: Communicator, buf: np.ndarray) -> dict:
         buf[...] = own
 
     def native_as(profile, through=load_calls):
+        own_comm = Communicator(MPI.COMM_WORLD)  # (its plans, and their express calls, made under this profile)
+        comms.append(own_comm)
+
         def call():
             native.library = lambda: profile  # (every rank sets the same: the ways stay paired across ranks)
             native.load_calls = through
-            comm.allreduce(buf, algorithm="native")
+            own_comm.allreduce(buf, algorithm="native")
         return call
 
     shipped = library()
@@ -74,11 +80,14 @@ def main(argv=None) -> int:
     try:
         for nbytes in (int(s) for s in args.sizes.split(",")):
             buf = np.zeros(max(1, nbytes // 4), np.float32)  # (zeros: repeated sums stay finite)
-            calls, persistent = contenders(comm, buf)
+            comms: list[Communicator] = []
+            calls, persistent = contenders(comm, buf, comms)
             loop = max(5, min(args.calls, (64 << 20) // max(nbytes, 1)))  # ~64 MiB moved per loop at most
             for row in summarize(measure(comm.mpi, calls, loop, args.rounds), "raw Allreduce"):
                 rows.append({"bytes": nbytes, "calls": loop, **row})
             persistent.Free()
+            for own_comm in comms:
+                own_comm.free()
     finally:
         native.library, native.load_calls = library, load_calls
     if comm.rank == 0:

@@ -4,7 +4,9 @@
 
 For each size (8 B .. 4 KiB) and each contender — raw ``MPI.Comm.Allreduce``, raw ``Iallreduce`` + ``Test``
 loop (what a bounded wait costs in MPI alone), ``comm.allreduce`` with ``auto``/``native``/``tree`` (and, marked
-``no trace``, on a Communicator with the flight recorder off: the recorder's cost is the difference) — times a
+``no trace``, on a Communicator with the flight recorder off: the recorder's cost is the difference; and where
+native's plan makes the call in one C call, that C call alone and ``run_express``, which adds the lock, the
+recorder's entry and the stats: the rest is ``Communicator.allreduce``'s plan lookup) — times a
 loop of ``--calls`` calls after a barrier, round-robin over the contenders, ``--rounds`` times (so load drift
 hits all alike); a loop's time is the maximum over ranks. Reports the median loop (and min/max as the spread)
 in microseconds per call, and each contender's ratio to raw ``Allreduce`` of the same size in the same run.
@@ -35,7 +37,7 @@ def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.nda
         while not request.Test():
             pass
 
-    return {
+    contenders = {
         "raw Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
         "raw Iallreduce+Test": iallreduce_test,
         "mpcomm auto": lambda: comm.allreduce(buf),
@@ -44,6 +46,11 @@ def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.nda
         "mpcomm native, no trace": lambda: untraced.allreduce(buf, algorithm="native"),
         "mpcomm tree": lambda: comm.allreduce(buf, algorithm="tree"),
     }
+    plan = comm.plan("allreduce", buf, "sum", "native")  # (the plan comm.allreduce(buf, algorithm="native") runs)
+    if plan.express is not None:  # the steps of that call: its C call alone, then with run()'s work around it
+        contenders["native: express C call"] = lambda: plan.express(buf)
+        contenders["native: run_express"] = lambda: comm.run_express(plan, buf)
+    return contenders
 
 
 def untraced_communicator() -> Communicator:
@@ -170,10 +177,10 @@ def main(argv=None) -> int:
     if comm.rank == 0:
         print(f"{comm.size} ranks, {args.calls} calls per loop, {args.rounds} rounds; us per call "
               "(ping-pong: per round trip), median [min-max] of the rounds, ratio to raw in the same run")
-        print(f"{'test':10} {'bytes':>6} {'contender':22} {'median':>8} {'spread':>17} {'x raw':>6}")
+        print(f"{'test':10} {'bytes':>6} {'contender':26} {'median':>8} {'spread':>17} {'x raw':>6}")
         for row in rows:
             spread = f"[{row['min_us']:.2f}-{row['max_us']:.2f}]"
-            print(f"{row['test']:10} {row['bytes']:6d} {row['contender']:22} {row['median_us']:8.2f} {spread:>17} "
+            print(f"{row['test']:10} {row['bytes']:6d} {row['contender']:26} {row['median_us']:8.2f} {spread:>17} "
                   f"{row['ratio']:6.2f}")
         if args.json:
             with open(args.json, "w") as f:

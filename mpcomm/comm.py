@@ -214,8 +214,10 @@ class Communicator(Dispatcher):
     def allreduce(self, buf: Any, op: str = SUM, algorithm: str = "auto", wire: str | None = None) -> Any:
         """Reduce ``buf`` over all ranks, in place; returns ``buf``. ``wire`` ("bf16", "fp16", "int8"; float32
         buffers, op sum or avg) sends it compressed and accumulates in float32 (``mpcomm.compression``)."""
-        plan = self._ready_allreduce(buf, op, algorithm) if wire is None else None
-        if plan is not None:
+        plan = self._planned_allreduce(buf, op, algorithm) if wire is None else None
+        if plan is not None and plan.express is not None and self.run_express(plan, buf):
+            return buf
+        if plan is not None and _as_it_is(buf):
             self.run(plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop)
             return buf
         try:
@@ -364,20 +366,19 @@ class Communicator(Dispatcher):
         return staging.for_buffers(channels.payloads, operation, buf)
 
     # ------------------------------------------------------------------ bodies shared by blocking and non-blocking forms
-    def _ready_allreduce(self, buf, op, algorithm) -> Plan | None:
-        """The common call — a host array used as it is, a plan already made — gets its cached plan here, with
-        nothing else looked at; None for anything else (the general path)."""
+    def _planned_allreduce(self, buf, op, algorithm) -> Plan | None:
+        """The common call — a host array reduced as it is (no conversion), a plan already made — gets its cached
+        plan here, with nothing else looked at (the array may be used as it is if :func:`_as_it_is`); None for
+        anything else (the general path)."""
         if type(buf) is np.ndarray and type(op) is str and type(algorithm) is str:
             plan = self._plans.get(("allreduce", buf.dtype, buf.shape, op, algorithm, None))
             if plan is not None and plan.direct:
-                flags = buf.flags
-                if flags.c_contiguous and flags.writeable:
-                    return plan
+                return plan
         return None
 
     def _allreduce(self, t: Transport, buf, op, algorithm, wire=None) -> None:
-        plan = self._ready_allreduce(buf, op, algorithm) if wire is None else None
-        if plan is not None:
+        plan = self._planned_allreduce(buf, op, algorithm) if wire is None else None
+        if plan is not None and _as_it_is(buf):
             self.run(plan, buf if buf.ndim == 1 else buf.reshape(-1), plan.rop, transport=t)
             return
         array = as_output(buf, "allreduce")
@@ -542,3 +543,9 @@ def _check_counts(operation: str, name: str, counts, size: int, available: int, 
 def _displs(counts: tuple[int, ...]) -> tuple[int, ...]:
     """Where each block starts when the blocks are laid out one after another."""
     return tuple(itertools.accumulate(counts[:-1], initial=0))
+
+
+def _as_it_is(array: np.ndarray) -> bool:
+    """Whether an algorithm may work on ``array`` itself: C-contiguous and writable (else through a work array)."""
+    flags = array.flags
+    return flags.c_contiguous and flags.writeable

@@ -2,7 +2,8 @@
 
 :class:`Dispatcher` is the part of :class:`~mpcomm.comm.Communicator` that turns a call into work on a transport.
 Every collective — blocking, non-blocking, the meetings before a split or a protocol channel, and the calls the
-torch backend plans itself — goes through :meth:`Dispatcher.run`: that is the one place a call starts and ends.
+torch backend plans itself — goes through :meth:`Dispatcher.run`: that is the one place a call starts and ends,
+but for the blocking all-reduces whose plan makes them in one C call (:meth:`Dispatcher.run_express`).
 
 * :meth:`~Dispatcher.plan` decides, once per (operation, dtype, shape, op, algorithm, root), what a call is
   (a cached :class:`~mpcomm.plan.Plan`: the algorithm, the reduction, the route for host or device buffers);
@@ -26,13 +27,13 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence, cast
+from typing import Any, NoReturn, Sequence, cast
 
 import numpy as np
 from mpi4py import MPI
 
 from . import p2p, staging, trace
-from .algorithms import KEEP_LOW_PRECISION, REGISTRY, compressed
+from .algorithms import KEEP_LOW_PRECISION, EXPRESS, REGISTRY, compressed
 from .algorithms.auto import Selector
 from .algorithms.chunks import count_matrix
 from .buffers import AVG, SUM, check_dtype_op, reduce_op, wire_dtype
@@ -55,6 +56,16 @@ PER_RANK_BLOCK = ("reduce_scatter", "all_gather", "gather", "scatter")  # planne
 FREED = "it was freed (free() was called)"
 _STALE = ("; its messages may still be in flight, so later collectives could match them and return wrong data. "
           "Create a new Communicator.")
+
+
+def _record(t: Transport, plan: Plan, elapsed: float) -> None:
+    """Count one call of ``plan`` that took ``elapsed`` seconds into ``t``'s stats."""
+    totals = t.records.get(plan.key)  # per (operation, algorithm): bounded whatever the shapes
+    if totals is None:
+        totals = t.records[plan.key] = [0, 0, 0.0]
+    totals[0] += 1
+    totals[1] += plan.nbytes
+    totals[2] += elapsed
 
 
 class Dispatcher:
@@ -147,6 +158,8 @@ class Dispatcher:
         plan = Plan(operation, chosen, array, rop, root, nbytes, host=host,
                     wire=wire_dtype(array.dtype, widen=not (host and chosen in KEEP_LOW_PRECISION))
                     if rop is not None else array.dtype)
+        if operation == "allreduce" and plan.direct and chosen in EXPRESS:
+            plan.express = EXPRESS[chosen][0](self._sync, array, rop)
         if cacheable:
             if len(self._plans) >= PLAN_CACHE_SIZE:  # shapes that vary (MoE, dynamic batches): the oldest goes
                 del self._plans[next(iter(self._plans))]
@@ -211,27 +224,48 @@ class Dispatcher:
             elapsed = end - start
             if trace is not None:
                 trace.ends[slot] = end  # (GroupTrace.completed, without the call)
-            if self._unusable is not None:  # made unusable while this ran (another thread joined in)
-                raise MpcommError(f"rank {self.rank}: {plan.label}: {self._unusable}; this result may be wrong")
-        except CollectiveMismatchError:  # the ranks compared their calls and stopped cleanly: nothing in flight
-            raise
-        except MpcommError as exc:
-            self._stopped_midway(plan, exc)
-            raise
-        except MPI.Exception as exc:  # the MPI library itself refused (e.g. aliased buffers): mpcomm's error
-            error = t._mpi_error(exc, [], t.others)
-            self._stopped_midway(plan, error)
-            raise error from None
+            self._check_still_usable(plan)
+        except Exception as exc:
+            self._raise_midway(t, plan, exc)
         finally:
             t.in_use.release()
-        if not record:
-            return
-        totals = t.records.get(plan.key)  # per (operation, algorithm): bounded whatever the shapes
-        if totals is None:
-            totals = t.records[plan.key] = [0, 0, 0.0]
-        totals[0] += 1
-        totals[1] += plan.nbytes
-        totals[2] += elapsed
+        if record:
+            _record(t, plan, elapsed)
+
+    def run_express(self, plan: Plan, buf) -> bool:
+        """:meth:`run` of ``plan`` on ``buf`` (a host array of the plan's dtype and shape) in one C call, the plan's
+        :attr:`~mpcomm.plan.Plan.express`, where run() has nothing else to do: no validation, nothing queued to
+        run first. False, with nothing sent, where the call does not take ``buf`` (not writable and C-contiguous):
+        the caller runs the plan. Refusals, the flight recorder, errors midway and stats as run()'s."""
+        t, inline = self._sync, self._inline
+        if (self._meet or (inline is not None and inline.queue) or self._unusable is not None
+                or not t.in_use.acquire(False)):  # (run() refuses a second thread)
+            return False
+        try:
+            t.operation = plan.label
+            start = _clock()
+            outcome = plan.express(buf)  # type: ignore[misc]
+            if outcome is NotImplemented:
+                return False
+            trace = t.trace  # (recorded once the call is made: it returns within its tests)
+            if trace is not None:
+                trace.collectives += 1
+                slot = next(trace.slots)
+                trace.groups[slot] = trace
+                trace.calls[slot] = plan
+                trace.starts[slot] = start
+            if outcome is not None:  # (still running: waited for within the deadline, then finished)
+                EXPRESS[plan.algorithm][1](t, buf, plan.rop, outcome)
+                self._check_still_usable(plan)
+            end = _clock()
+            if trace is not None:
+                trace.ends[slot] = end
+        except Exception as exc:
+            self._raise_midway(t, plan, exc)
+        finally:
+            t.in_use.release()
+        _record(t, plan, end - start)
+        return True
 
     def allgather_object(self, obj: Any, operation: str = "allgather_object") -> list:
         """Every rank's ``obj`` (pickled), in rank order. Collective; waits are bounded by the timeout and a
@@ -397,6 +431,24 @@ class Dispatcher:
     def _refuse_if_freed(self, operation: str) -> None:
         if self._unusable == FREED:
             raise MpcommError(f"rank {self.rank}: {operation}: this Communicator was freed (free() was called)")
+
+    def _check_still_usable(self, plan: Plan) -> None:
+        if self._unusable is not None:  # made unusable while this ran (another thread joined in)
+            raise MpcommError(f"rank {self.rank}: {plan.label}: {self._unusable}; this result may be wrong")
+
+    def _raise_midway(self, t: Transport, plan: Plan, exc: Exception) -> NoReturn:
+        """Raise what a collective that raised ``exc`` raises: an MpcommError (the MPI library's error made one),
+        the communicator made unusable, for it stopped midway; CollectiveMismatchError (the ranks compared their
+        calls and stopped cleanly: nothing in flight) and any other error as they are."""
+        if isinstance(exc, CollectiveMismatchError):
+            raise exc
+        if isinstance(exc, MPI.Exception):  # the MPI library itself refused (e.g. aliased buffers)
+            error = t._mpi_error(exc, [], t.others)
+            self._stopped_midway(plan, error)
+            raise error from None
+        if isinstance(exc, MpcommError):
+            self._stopped_midway(plan, exc)
+        raise exc
 
     def _stopped_midway(self, plan: Plan, exc: Exception) -> None:
         if self._unusable is None:

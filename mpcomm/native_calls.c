@@ -185,6 +185,23 @@ static int done_after(MPI_Request *request, long tests, int *code) {
     return done;
 }
 
+/* The all-reduce of allreduce() and express() on `view` (writable, C-contiguous, with its format). */
+static PyObject *allreduce_view(long comm, Py_buffer *view, long op, long finish, long tests) {
+    int floats, code = MPI_SUCCESS;
+    Py_ssize_t parts, count;
+    MPI_Datatype type = reducible(view, finish, &floats, &parts, &count);
+    MPI_Request request;
+    if (type == MPI_DATATYPE_NULL) return Py_NewRef(Py_NotImplemented);
+    if ((code = MPI_Iallreduce(MPI_IN_PLACE, view->buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op),
+                               MPI_Comm_f2c((MPI_Fint)comm), &request)) != MPI_SUCCESS)
+        return failed(code);
+    if (done_after(&request, tests, &code)) {
+        finished(view->buf, count * parts, floats, finish);
+        Py_RETURN_NONE;
+    }
+    return code != MPI_SUCCESS ? failed(code) : PyLong_FromLong((long)MPI_Request_c2f(request));
+}
+
 /* allreduce(comm, buf, op, finish, tests): MPI_Iallreduce in place on the writable contiguous `buf` over the
  * communicator and op of these Fortran handles. None once done (and `finished`); else the request's Fortran handle,
  * for the caller to wait on (then to finish itself); NotImplemented, with nothing sent, for a buffer whose format
@@ -197,24 +214,29 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if ((op = PyLong_AsLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
-    int floats, code = MPI_SUCCESS;
-    Py_ssize_t parts, count;
-    MPI_Datatype type = reducible(&view, finish, &floats, &parts, &count);
-    PyObject *result = NULL;
-    MPI_Request request;
-    if (type == MPI_DATATYPE_NULL) {
-        result = Py_NewRef(Py_NotImplemented);
-    } else if ((code = MPI_Iallreduce(MPI_IN_PLACE, view.buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op),
-                                      MPI_Comm_f2c((MPI_Fint)comm), &request)) != MPI_SUCCESS) {
-        failed(code);
-    } else if (done_after(&request, tests, &code)) {
-        finished(view.buf, count * parts, floats, finish);
-        result = Py_NewRef(Py_None);
-    } else if (code != MPI_SUCCESS) {
-        failed(code);
-    } else {
-        result = PyLong_FromLong((long)MPI_Request_c2f(request));
+    PyObject *result = allreduce_view(comm, &view, op, finish, tests);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* express(bound, buf): allreduce(comm, buf, op, finish, tests) with bound = (comm, op, finish, tests), the arguments
+ * one plan's calls share (algorithms/native.py's express: functools.partial(express, bound) is the call), and
+ * NotImplemented, with nothing sent, for a buffer that is not writable and C-contiguous too. */
+static PyObject *express(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 4) {
+        PyErr_SetString(PyExc_TypeError, "express((comm, op, finish, tests), buf)");
+        return NULL;
     }
+    long bound[4];
+    for (int i = 0; i < 4; i++)
+        if ((bound[i] = PyLong_AsLong(PyTuple_GET_ITEM(args[0], i))) == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();
+        return Py_NewRef(Py_NotImplemented);
+    }
+    PyObject *result = allreduce_view(bound[0], &view, bound[1], bound[2], bound[3]);
     PyBuffer_Release(&view);
     return result;
 }
@@ -359,6 +381,8 @@ static PyObject *library_version(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))allreduce, METH_FASTCALL,
      "allreduce(comm, buf, op, finish, tests) -> None (done) | request handle | NotImplemented"},
+    {"express", (PyCFunction)(void (*)(void))express, METH_FASTCALL,
+     "express((comm, op, finish, tests), buf) -> allreduce(comm, buf, op, finish, tests)"},
     {"meet_allreduce", (PyCFunction)(void (*)(void))meet_allreduce, METH_FASTCALL,
      "meet_allreduce(comm, buf, op, finish, tests, kind, meeting) -> None (done) | False (they differ) | request "
      "handle | NotImplemented"},

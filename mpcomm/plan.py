@@ -23,7 +23,7 @@ class Plan:
     """One kind of call: ``fn(transport, *buffers...)`` runs it; ``key`` is its (operation, algorithm) in stats()."""
 
     __slots__ = ("operation", "algorithm", "fn", "rop", "nbytes", "wire", "direct", "key", "label", "signature",
-                 "_digest")
+                 "express", "_digest")
 
     def __init__(self, operation: str, algorithm: str, array: Any, rop: ReduceOp | None, root: int | None, nbytes: int,
                  host: bool, wire: np.dtype):
@@ -42,6 +42,9 @@ class Plan:
         self.signature: dict[str, Any] = {"operation": operation, "dtype": dtype_name(array.dtype), "shape": shape,
                           "op": None if rop is None else rop.name, "algorithm": algorithm, "root": root}
         self.label: _Label | str = _Label(self)
+        # The blocking call's whole algorithm as one C call on the Communicator's transport, where it has one
+        # (Dispatcher.plan, from algorithms.EXPRESS; run by Dispatcher.run_express)
+        self.express: Callable[[Any], Any] | None = None
         self._digest: np.ndarray | None = None
 
     @classmethod
@@ -71,14 +74,14 @@ class Plan:
         plan.operation = plan.algorithm = operation
         plan.fn, plan.rop, plan.nbytes, plan.wire, plan.direct = fn, None, 0, None, True
         plan.key = (operation, "native")
-        plan.signature, plan.label, plan._digest = signature, operation, None
+        plan.signature, plan.label, plan.express, plan._digest = signature, operation, None, None
         return plan
 
     def running(self, fn: Callable[..., Any]) -> "Plan":
         """This plan with ``fn(transport, *buffers)`` in place of its algorithm (e.g. the torch backend's C++ form
         of the same ``native`` all-reduce): same operation, stats key, label and signature."""
         plan = copy.copy(self)
-        plan.fn = fn
+        plan.fn, plan.express = fn, None
         return plan
 
     def compressed(self, wire: str, fn: Callable[..., Any]) -> "Plan":
@@ -86,7 +89,7 @@ class Plan:
         algorithm, called as the plain one): algorithm
         ``compressed:WIRE`` in stats and labels, and the wire in the signature (``validate=True`` compares it)."""
         plan = copy.copy(self)
-        plan.algorithm = f"compressed:{wire}"
+        plan.algorithm, plan.express = f"compressed:{wire}", None
         if self.fn is not _nothing:
             plan.fn = fn
         plan.key = (self.operation, plan.algorithm)

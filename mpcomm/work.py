@@ -104,17 +104,17 @@ class InlineProgress:
     """Non-blocking collectives that run on the calling thread when waited on, oldest first."""
 
     def __init__(self):
-        self._queue: list[DeferredWork] = []
+        self.queue: list[DeferredWork] = []  # issued, not run yet
 
     def submit(self, body: Callable[[Any], Any], transport: Any, operation: str = "collective") -> "DeferredWork":
         work = DeferredWork(self, body, transport, operation)
-        self._queue.append(work)
+        self.queue.append(work)
         return work
 
     def run_until(self, work: "DeferredWork | None") -> None:
         """Run queued operations in issue order up to and including ``work`` (all of them for None)."""
-        while self._queue and (work is None or not work.done):
-            self._queue.pop(0).run()
+        while self.queue and (work is None or not work.done):
+            self.queue.pop(0).run()
 
 
 class DeferredWork(Work):

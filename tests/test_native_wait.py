@@ -9,7 +9,9 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import replace
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -17,10 +19,11 @@ from conftest import WORLD, assert_bitwise_equal, gather, in_step, make_input, r
 from mpi4py import MPI
 from test_collectives import LARGE, LARGE_CASES, PAIRS, check_allreduce, pair_id, small_sizes
 from test_nan import numpy_reduce, special_values
-from test_timeouts import TIMEOUT, assert_every_waiting_rank_timed_out, with_silent_rank
+from test_timeouts import SILENT, TIMEOUT, assert_every_waiting_rank_timed_out, with_silent_rank
+from test_trace import own_entries, shared_dir
 
 from mpcomm import Communicator, native_calls
-from mpcomm.algorithms import native
+from mpcomm.algorithms import EXPRESS, native
 from mpcomm.buffers import reduce_op
 from mpcomm.errors import CollectiveMismatchError
 from mpcomm.mpi_library import WAYS, forced, library, loaded_path
@@ -32,22 +35,47 @@ P = WORLD.Get_size()
 
 
 @pytest.fixture(params=list(WAYS))
-def way(request, monkeypatch) -> str:
+def way(request, monkeypatch, comm) -> Iterator[str]:
     """native waits in this way at every size (the same on every rank: the parameters run in the same order)."""
     profile = forced(request.param)
     monkeypatch.setattr(native, "library", lambda: profile)
-    return request.param
+    with plans_made_here(comm):
+        yield request.param
 
 
-@pytest.fixture(params=["C", "mpi4py"])
-def calls(request, monkeypatch, comm) -> str:
-    """native through native_calls (its small all-reduce in one C call, float sums and min/max with mpcomm's own MPI
-    ops), or as where it is not built: mpi4py's calls, MPI's ops, NaN passes and min/max keys (the same on every
+@pytest.fixture(params=["express", "C", "mpi4py"])
+def calls(request, monkeypatch, comm) -> Iterator[str]:
+    """native through native_calls: the plan's express call (the whole blocking all-reduce in one C call, where the
+    way is that call), or native's algorithm making that call ("C"); float sums and min/max with mpcomm's own MPI
+    ops. Or as where it is not built: mpi4py's calls, MPI's ops, NaN passes and min/max keys (the same on every
     rank)."""
+    if request.param != "express":
+        monkeypatch.setitem(EXPRESS, "native", (lambda *args: None, native.complete))
     if request.param == "mpi4py":
         monkeypatch.setattr(native, "load_calls", lambda: None)
         monkeypatch.setattr(comm._sync, "reduction_ops", {})  # (as agreed where one rank cannot make them)
-    return request.param
+    with plans_made_here(comm):
+        yield request.param
+
+
+def reduced(inputs: list, op: str) -> np.ndarray:
+    """numpy's reduction of ``inputs`` by ``op``, avg too (a sum divided by their number, where there are more than
+    one: ReduceOp.finish's division, which one rank skips)."""
+    expected = numpy_reduce(inputs, "sum" if op == "avg" else op)
+    if op == "avg" and len(inputs) > 1:
+        expected = expected / len(inputs)
+    return expected.astype(inputs[0].dtype)
+
+
+@contextmanager
+def plans_made_here(comm: Communicator) -> Iterator[None]:
+    """The plans ``comm`` makes in this block, under its patches of native: a plan keeps its express call, made
+    when the plan is (dispatch.Dispatcher.plan)."""
+    comm._plans.clear()
+    try:
+        yield
+    finally:
+        comm._plans.clear()
 
 
 def test_native_calls_build_beside_the_wheels_mpi():
@@ -89,11 +117,7 @@ def test_special_values_match_numpy_and_agree_bitwise(comm, way, calls, dtype, o
     results = [b for _, b in everyone]
     label = f"allreduce[native] {op} {np.dtype(dtype)}"
     assert_bitwise_equal(results, label)
-    inputs = [x for x, _ in everyone]
-    expected = numpy_reduce(inputs, "sum" if op == "avg" else op)
-    if op == "avg" and len(inputs) > 1:  # (ReduceOp.finish's division, which one rank skips)
-        expected = expected / len(inputs)
-    np.testing.assert_array_equal(results[0], expected.astype(dtype), err_msg=label)
+    np.testing.assert_array_equal(results[0], reduced([x for x, _ in everyone], op), err_msg=label)
     if comm.size == 1:  # (one rank: its values come back as they are)
         return
     nans = results[0].view(np.float32 if results[0].dtype in (np.float32, np.complex64) else np.float64)
@@ -174,6 +198,96 @@ def test_a_rank_late_to_the_meeting_is_waited_for_within_the_deadline(monkeypatc
             assert message is not None and "different counts" in message, f"rank {rank}: {message}"
         else:
             np.testing.assert_array_equal(result, np.arange(4099) * (P * (P + 1) // 2), err_msg=f"rank {rank}")
+
+
+LATE_CASES = [(np.float32, "sum"), (np.float64, "avg"), (np.int32, "sum"), (np.float32, "max")]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_does(monkeypatch):
+    """From the second call of one (shape, dtype, op), native's small all-reduce of a host array is its plan's
+    express call (run() is not called): the same result, counted in stats() and recorded by the flight recorder as
+    run() does. An array the call does not take goes the general way: a read-only one is refused, a strided one
+    reduced through a work array."""
+    if native_calls.load() is None:
+        pytest.skip("native_calls is not built here")
+    comm = Communicator(WORLD)
+    runs = []
+    run = comm.run
+    monkeypatch.setattr(comm, "run", lambda *args, **kwargs: runs.append(args[0]) or run(*args, **kwargs))
+    directory = shared_dir()
+    try:
+        def calls():
+            x = np.arange(5, dtype=np.float32) + comm.rank
+            results = [comm.allreduce(x.copy(), algorithm="native") for _ in range(3)]
+            read_only = x.copy()
+            read_only.flags.writeable = False
+            with pytest.raises(ValueError, match="read-only"):
+                comm.allreduce(read_only, algorithm="native")
+            strided = np.repeat(x, 2)[::2]
+            results.append(comm.allreduce(strided, algorithm="native"))
+            return results, len(runs), comm.stats()["allreduce"]["native"], comm.dump_trace(directory)
+
+        results, ran, stats, path = in_step(calls)
+        entries = own_entries(path, comm._trace.name)
+    finally:
+        comm.free()
+    expected = np.arange(5, dtype=np.float32) * P + P * (P - 1) // 2
+    for result in results:
+        np.testing.assert_array_equal(result, expected)
+    assert ran == 2, f"{ran} calls went through run(): the first (the plan is made) and the strided one only"
+    assert (stats["calls"], stats["bytes"]) == (4, 4 * 20), stats
+    assert [(e["collective_seq_id"], e["profiling_name"], e["state"]) for e in entries] == \
+        [(n, "mpcomm:all_reduce", "completed") for n in range(1, 5)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype,op", LATE_CASES, ids=map(pair_id, LATE_CASES))
+def test_a_rank_late_to_an_express_call_is_waited_for_then_finished(monkeypatch, dtype, op):
+    """An express call not done within its Tests returns the request still running: it is waited for within the
+    deadline, then finished as the C call would have (numpy's NaN, avg's division): the same bits as numpy's on
+    every rank (rank 0 comes 20 ms late, so the others wait)."""
+    if native_calls.load() is None:
+        pytest.skip("native_calls is not built here")
+    waited = []
+    monkeypatch.setitem(EXPRESS, "native", (native.express, lambda *args: waited.append(1) or native.complete(*args)))
+    comm = Communicator(WORLD)
+    try:
+        def late():
+            x = special_values(dtype, comm.rank, n=11) if np.dtype(dtype).kind == "f" else \
+                make_input(dtype, op, (11,), comm.rank, seed=3)
+            comm.allreduce(x.copy(), op=op, algorithm="native")  # (the plan is made)
+            WORLD.Barrier()
+            if comm.rank == 0:
+                time.sleep(0.02)
+            return x, comm.allreduce(x.copy(), op=op, algorithm="native"), len(waited)
+
+        everyone = WORLD.allgather(late())
+    finally:
+        comm.free()
+    assert all(n == 1 for _, _, n in everyone[1:]), "a rank that waited for rank 0 did not take the wait"
+    label = f"allreduce[native] {op} {np.dtype(dtype)}"
+    assert_bitwise_equal([y for _, y, _ in everyone], label)
+    np.testing.assert_array_equal(everyone[0][1], reduced([x for x, _, _ in everyone], op), err_msg=label)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_silent_rank_times_out_an_express_call():
+    """The express call's request, waited for within the deadline: a rank that never comes is a timeout on every
+    rank waiting for it, naming the call, and the communicator is unusable after it."""
+    comm = Communicator(WORLD, timeout=TIMEOUT)
+    try:
+        in_step(lambda: comm.allreduce(np.ones(8), algorithm="native"))  # (the plan is made)
+        has_express = comm._planned_allreduce(np.ones(8), "sum", "native").express is not None
+        silence = with_silent_rank(comm, lambda c, _: c.allreduce(np.ones(8), algorithm="native"))
+        unusable = comm._unusable
+    finally:
+        comm.free()
+    if native_calls.load() is not None:
+        assert has_express
+    assert_every_waiting_rank_timed_out(silence, ["allreduce[native]"])
+    if WORLD.Get_rank() != SILENT:
+        assert unusable is not None and "stopped midway" in unusable, unusable
 
 
 @pytest.mark.mpi(min_size=2)

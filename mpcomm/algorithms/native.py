@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import zlib
+from typing import Any, Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -41,33 +42,79 @@ _C_TESTS = 4  # native_calls' Tests per quick Test of the transport's (transport
 # The meeting's Tests in native_calls before the deadline's wait, the GIL released: only ranks with a core each meet,
 # and the blocking call after it spins as long
 _MEETING_TESTS = 1000
+# The dtypes native_calls' all-reduce takes (its datatype_of, in this machine's byte order)
+_C_DTYPES = frozenset(np.dtype(name) for name in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+                                                  "uint64", "float32", "float64", "complex64", "complex128"))
+_PERSISTENT, _MEET, _ONE_CALL, _MPI4PY = "persistent", "meet", "one call", "mpi4py"  # native's ways to wait (_way)
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
-    mine = own_op(t, buf, op)
-    if mine is not None:  # (NaNs and zeros done inside the library's reduction: no pass but avg's division)
-        divided = _allreduce_in_place(t, buf, op, finish=op.divisor if op.divisor != 1 else 0, mpi_op=mine)
-        if op.divisor != 1 and not divided and finish_floats(buf, op.divisor) is None:
-            op.finish(buf)
-        return
-    dtype = buf.dtype
-    if op.name in _MIN_MAX and dtype in KEY_DTYPES:
+    how = _how(t, buf, op)
+    if how is None:
         keys = to_keys(buf, op.name)
         _allreduce_in_place(t, keys, op)
         from_keys(keys)
         return
-    nans_matter = dtype.kind in "fc" and t.size > 1
-    finish = op.divisor if nans_matter and dtype in KEY_DTYPES else int(nans_matter and op.divisor == 1)
-    if _allreduce_in_place(t, buf, op, finish=finish) or (op.divisor == 1 and not nans_matter):
+    mpi_op, finish, nan_pass = how
+    if not _allreduce_in_place(t, buf, op, finish, mpi_op):
+        _finish(buf, op, nan_pass)
+
+
+def express(t: Transport, buf, op: ReduceOp) -> Callable[[Any], Any] | None:
+    """native's whole all-reduce of host arrays of ``buf``'s count, dtype and op on ``t`` as one C call
+    (``native_calls.express``), where that call does all :func:`allreduce` does: native waits in the one C call
+    (:func:`_way`), which also finishes what is left (avg's division, the NaN pass). Called on an array, it returns
+    None once done, NotImplemented (nothing sent) for an array it does not take (not writable and C-contiguous),
+    else the request still running, for :func:`complete`. None where there is no such call (nor for p = 1 or an
+    empty array, which send nothing)."""
+    calls, nbytes = load_calls(), buf.nbytes
+    taken = type(buf) is np.ndarray and buf.dtype in _C_DTYPES and t.size > 1 and nbytes
+    how = _how(t, buf, op) if taken else None
+    if how is None or _way(t, nbytes, calls) != _ONE_CALL:
+        return None
+    mpi_op, finish, nan_pass = how
+    if finish == 0 and (op.divisor != 1 or nan_pass):  # (a pass left after the call)
+        return None
+    return functools.partial(calls.express, (t.fortran, mpi_op.py2f(), finish, t.quick_tests * _C_TESTS))
+
+
+def complete(t: Transport, buf, op: ReduceOp, request: int) -> None:
+    """The rest of an all-reduce whose :func:`express` call returned ``request`` still running: waited for within
+    the deadline, then finished as the call would have."""
+    t.wait_one(MPI.Request.f2py(request))
+    how = _how(t, buf, op)
+    assert how is not None  # (express calls are only made where it is not)
+    _finish(buf, op, how[2])
+
+
+def _how(t: Transport, buf, op: ReduceOp) -> tuple[MPI.Op, int, bool] | None:
+    """How native reduces ``buf`` in the library's all-reduce: (the MPI op, the finish native_calls does after it
+    as :func:`_allreduce_in_place` takes it, whether a NaN pass is due after the reduction); None for float
+    min/max reduced as integer keys. mpcomm's own op (:func:`own_op`) does NaNs and zeros inside the reduction,
+    leaving at most avg's division."""
+    mine = own_op(t, buf, op)
+    if mine is not None:
+        return mine, op.divisor if op.divisor != 1 else 0, False
+    if op.name in _MIN_MAX and buf.dtype in KEY_DTYPES:
+        return None
+    nans_matter = buf.dtype.kind in "fc" and t.size > 1
+    return op.mpi, op.divisor if nans_matter and buf.dtype in KEY_DTYPES else int(nans_matter and op.divisor == 1), \
+        nans_matter
+
+
+def _finish(buf, op: ReduceOp, nan_pass: bool) -> None:
+    """After the library's all-reduce of ``buf`` (not finished in native_calls): avg's division, and numpy's NaN
+    wherever a NaN came out (``nan_pass``)."""
+    if op.divisor == 1 and not nan_pass:
         return
     found = finish_floats(buf, op.divisor)  # (float32/float64: both in one pass)
     if found is not None:
-        if found and nans_matter:
+        if found and nan_pass:
             _canonical_nans(buf)
         return
     if op.divisor != 1:
         op.finish(buf)
-    if nans_matter:
+    if nan_pass:
         if buf.size <= _SMALL:  # (_has_nan's test, inline: the small all-reduce is the latency-bound one)
             total = sum(buf.tolist())
             if total == total:
@@ -139,16 +186,17 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, finish: int = 0, mpi_op
     ``native_calls``' one C call; else the caller finishes."""
     mpi_op = op.mpi if mpi_op is None else mpi_op
     if type(buf) is np.ndarray and t.size > 1:
-        nbytes, profile = buf.nbytes, library()
-        calls = load_calls() if nbytes <= _ONE_CALL_UPTO else None
-        if nbytes <= profile.persistent_upto:
+        calls = load_calls()
+        way = _way(t, buf.nbytes, calls)
+        if way == _PERSISTENT:
             key = (buf.size, buf.dtype, op.name, mpi_op is op.mpi)
             persistent = t.persistent_requests.get(key) or _persistent_allreduce(t, buf, mpi_op, key)
             if persistent is not None:
-                return _start(t, buf, persistent, calls, finish)
-        if meets_then_blocks(t, profile, nbytes):
+                return _start(t, buf, persistent, calls if buf.nbytes <= _ONE_CALL_UPTO else None, finish)
+            way = _way(t, buf.nbytes, calls, persistent=False)  # (an MPI before MPI-4)
+        if way == _MEET:
             return _meet_then_block(t, buf, op, mpi_op, finish)
-        if calls is not None:
+        if way == _ONE_CALL:
             request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), finish, t.quick_tests * _C_TESTS)
             if request is None:
                 return finish != 0
@@ -157,6 +205,18 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, finish: int = 0, mpi_op
                 return False
     _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, mpi_op))
     return False
+
+
+def _way(t: Transport, nbytes: int, calls, persistent: bool = True) -> str:
+    """How native waits for an all-reduce of ``nbytes`` (of a host array, p > 1) on ``t`` within the deadline, by
+    the library's profile (``mpcomm.mpi_library``) and whether ``native_calls`` is loaded (``calls``): the same on
+    every rank."""
+    profile = library()
+    if persistent and nbytes <= profile.persistent_upto:
+        return _PERSISTENT
+    if meets_then_blocks(t, profile, nbytes):
+        return _MEET
+    return _ONE_CALL if calls is not None and nbytes <= _ONE_CALL_UPTO else _MPI4PY
 
 
 def own_op(t: Transport, buf, op: ReduceOp):
