@@ -10,7 +10,10 @@ markdown tables with one row per (dtype, op) and one column per size:
 * ``per byte vs float32 sum``: the time of the best algorithm of this (dtype, op) over the best of float32 ``sum``
   at the same size in bytes (targets: 16-bit sums <= 1.5 from 1 MiB, ints' sums <= 1.2, float32/float64 ops
   <= 1.2 x the same dtype's sum).
-Every time was measured in the same run, interleaved with the others of its point.
+Every time was measured in the same run, interleaved with the others of its point. With ``--runs`` the files are
+repeated runs of one sweep: auto / best per cell is their median, and the cells above 1.10 in every run are listed.
+
+    python bench/dtype_op_sweep.py --runs bench/results/dtype_op_p2_s34_{1,2,3}.json
 """
 from __future__ import annotations
 
@@ -70,6 +73,43 @@ def tables(paths: list[str]) -> str:
                       "best time of this (dtype, op) / best time of float32 sum, same bytes:", "", *byte_lines, ""])
 
 
+def repeated(paths: list[str], target: float = 1.10) -> str:
+    """Sweeps of the same points, one per file: per (dtype, op) and size, auto / best of each run (both timed in
+    that run), as the median over the runs; and the cells above ``target`` in every run (where noise, which moves
+    a cell from run to run, does not explain the miss)."""
+    runs = [load([path]) for path in paths]
+    common = set(runs[0]).intersection(*runs[1:])
+    sizes = sorted({size for _, _, size in common})
+    pairs = list(dict.fromkeys((dtype, redop) for dtype, redop, _ in sorted(common, key=lambda k: (k[0], k[1]))))
+    lines = ["| dtype | op | " + " | ".join(_human(s) for s in sizes) + " | worst |",
+             "|---|---|" + "---:|" * (len(sizes) + 1)]
+    always, medians = [], []
+    for dtype, redop in pairs:
+        cells = []
+        for size in sizes:
+            key = (dtype, redop, size)
+            ratios = sorted(run[key]["auto"]["time_us"] / best(run[key])["time_us"] for run in runs
+                            if key in common and "auto" in run[key])
+            if not ratios:
+                cells.append(None)
+                continue
+            cells.append(ratios[len(ratios) // 2])
+            if ratios[0] > target:
+                chose = {run[key]["auto"]["resolved"] for run in runs}
+                fastest = {best(run[key])["algorithm"] for run in runs}
+                always.append(f"{dtype} {redop} {_human(size)}: {ratios[0]:.2f}-{ratios[-1]:.2f} (auto took "
+                              f"{'/'.join(sorted(chose))}; best {'/'.join(sorted(fastest))})")
+        seen = [c for c in cells if c is not None]
+        medians.extend(seen)
+        lines.append(f"| {dtype} | {redop} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells)
+                     + f" | **{max(seen, default=float('nan')):.2f}** |")
+    above = sum(m > target for m in medians)
+    return "\n".join([f"### {len(paths)} runs: {', '.join(paths)}", "", "auto / best fixed, median of the runs "
+                      f"({above} of {len(medians)} cells above {target}):", "",
+                      *lines, "", f"above {target} in every run ({len(always)}):", "",
+                      *(f"- {cell}" for cell in always), ""])
+
+
 def _human(nbytes: int) -> str:
     for unit, shift in (("M", 20), ("K", 10)):
         if nbytes >= 1 << shift:
@@ -80,8 +120,10 @@ def _human(nbytes: int) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+", help="mpcomm-bench --json files")
+    parser.add_argument("--runs", action="store_true",
+                        help="the files are runs of the same sweep: auto / best per cell as the median of the runs")
     args = parser.parse_args(argv)
-    print(tables(args.files))
+    print(repeated(args.files) if args.runs else tables(args.files))
 
 
 if __name__ == "__main__":

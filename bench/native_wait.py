@@ -9,8 +9,8 @@ how it waits on each library. For each size (float32 sum) this times, interleave
 MPI alone — then ``native`` forced to each of its ways (``[nonblocking]``, ``[persistent]``,
 ``[meet+blocking]``), ``native`` as this library's profile chooses (through ``native_calls``' C calls where they
 are built: the plan's express call up to 64 KiB where the way is the one C call; and through mpi4py's calls), and
-mpcomm's rhd and ring; each ``native`` on a Communicator of its own, whose plans are made under its way. A loop's time is
-the slowest rank's; reports the median loop, min-max as the spread, and each contender's ratio to raw
+mpcomm's rhd and ring; each ``native`` on a Communicator of its own, whose plans are made under its way. A loop's
+time is the slowest rank's; reports the median loop, min-max as the spread, and each contender's ratio to raw
 ``Allreduce`` of the same size in the same run.
 """
 from __future__ import annotations

@@ -138,3 +138,26 @@ def test_ddp_compression_tiny(tmp_path, engine):
 def test_ddp_auto_onehost_tiny():
     out = _run("bench/ddp_auto_onehost.py", "--steps", "3", "--repeats", "1", "--d-model", "8", "--d-hidden", "16")
     assert "auto/none over 1 repeats of 3 interleaved steps" in out and "auto chose ['exact']" in out, out
+
+
+def test_dtype_op_sweep_takes_the_median_of_repeated_runs(tmp_path, monkeypatch):
+    """``--runs``: per cell the median over the runs of auto / best (each timed in its run), and listed only the
+    cells above 1.10 in every run: one run's outlier is noise, a miss in all of them is auto's."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import dtype_op_sweep
+
+    def sweep(path: Path, ratios: dict[int, float]) -> str:
+        rows = []
+        for size, ratio in ratios.items():
+            rows += [{"dtype": "float32", "redop": "sum", "size": size, "algorithm": "ring", "time_us": 10.0,
+                      "resolved": "ring"},
+                     {"dtype": "float32", "redop": "sum", "size": size, "algorithm": "auto", "time_us": 10.0 * ratio,
+                      "resolved": "native"}]
+        path.write_text(json.dumps({"rows": rows}))
+        return str(path)
+
+    paths = [sweep(tmp_path / f"{i}.json", {8: noisy, 64: 1.5}) for i, noisy in enumerate((1.0, 1.9, 1.05))]
+    out = dtype_op_sweep.repeated(paths)
+    assert "| float32 | sum | 1.05 | 1.50 | **1.50** |" in out, out
+    assert "(1 of 2 cells above 1.1)" in out, out
+    assert "- float32 sum 64: 1.50-1.50 (auto took native; best ring)" in out and "sum 8:" not in out, out
