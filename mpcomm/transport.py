@@ -175,14 +175,17 @@ class Transport:
                  operation=None) -> None:
         """:meth:`wait` for the single ``request`` (by default a collective with every peer), polled with MPI's
         ``Test`` (cheaper than ``Testall`` of a list): a few bare Tests first, then with the deadline and the
-        progress hook. ``status``, if given, receives the request's status."""
+        progress hook. ``status``, if given, receives the request's status. At the deadline a point-to-point
+        request is cancelled, a collective's is not (MPI makes that erroneous: Open MPI's cancel of a pending
+        ``MPI_Comm_idup`` hung)."""
         test = request.Test if status is None else partial(request.Test, status)
-        peers = self.others if peers is None else peers
+        collective = peers is None
+        peers = self.others if collective else peers
         try:
             for _ in range(self.quick_tests):
                 if test():
                     return
-            self._poll(test, (request,), peers, self.timeout, operation)
+            self._poll(test, () if collective else (request,), peers, self.timeout, operation)
         except MPI.Exception as exc:
             raise self._mpi_error(exc, [] if status is None else [status], peers, operation) from None
 
