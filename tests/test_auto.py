@@ -271,14 +271,17 @@ def test_model_choice_is_its_cheapest_candidate(layout):
 
 
 def test_ranks_sharing_cores_only_slow_the_model():
-    """More ranks than cores can only make a predicted time longer, never shorter; with a core each the model is
-    unchanged (on one node: without the pipelined ring's overlap), and the layout (what a tuning table is matched
-    on) does not depend on it."""
-    model = CostModel()
+    """More ranks than cores can only make a predicted time longer, never shorter, but for a block reduced out of
+    cache, which they price at nothing beside the scheduler's waits (measured: at p = 4 on 2 cores rhd's 16 MiB
+    halves kept up with the ring's 8 MiB chunks); with a core each the model is unchanged (on one node: without the
+    pipelined ring's overlap), and the layout (what a tuning table is matched on) does not depend on it."""
+    model = replace(CostModel(), cold_byte=0.0)
     for layout in MODEL_LAYOUTS:
         own = Layout(layout.size, layout.node_sizes)
         shared = Layout(layout.size, layout.node_sizes, ranks_per_core=2.0)
         assert model.for_layout(own) == (model if own.num_nodes > 1 else replace(model, overlap=False))
+        assert CostModel().for_layout(own).cold_byte == CostModel().cold_byte > 0
+        assert CostModel().for_layout(shared).cold_byte == 0.0
         assert shared == own
         for operation, algorithms in REGISTRY.items():
             for algorithm in algorithms:
@@ -340,7 +343,7 @@ def _textbook_slope(operation: str, algorithm: str, p: int, beta: float, gamma: 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8, 64])
 def test_model_per_byte_costs_are_the_textbook_ones(p):
-    model, layout = CostModel(), Layout(p, (p,))
+    model, layout = replace(CostModel(), cold_byte=0.0), Layout(p, (p,))  # (blocks in cache: the textbook's)
     n = float(2**30)
     checked = 0
     for operation, algorithms in REGISTRY.items():
@@ -396,6 +399,39 @@ def test_model_prices_each_op_and_dtype(layout):
     assert (selector.choose("reduce_scatter", 2 << 20, f32, "sum") == "direct") == one_node_of_3_or_more
 
 
+@pytest.mark.parametrize("library_name", ["mpich", "openmpi"])
+def test_the_pipelined_ring_leads_on_one_node_where_a_chunk_leaves_the_cache(library_name):
+    """At p = 2 with a core each, from 32 MiB (16 MiB chunks) the ring, rhd and direct reduce blocks that have left
+    the cache and the pipelined ring, reducing each segment as it arrives, led them in 38 of 44 cells on MPICH and
+    Open MPI; at 4-16 MiB it went either way and stays priced behind the ring, and with ranks sharing cores nothing
+    changes (bench/results/dtype_op.md, "Stop 34"). Every other per-byte term is the textbook's."""
+    from mpcomm.mpi_library import PROFILES
+
+    selector = Selector(layout=Layout(2, (2,)), candidates={op: tuple(a) for op, a in REGISTRY.items()},
+                        model=CostModel.of_library(PROFILES[library_name]))
+    crowded = Selector(layout=Layout(4, (4,), ranks_per_core=2.0), candidates=selector.candidates,
+                       model=selector.model)
+    for dtype in (np.float32, np.float64, np.int32, np.int8):
+        for op in ("sum", "max", "prod"):
+            for n in (4 << 20, 8 << 20, 16 << 20):
+                assert selector.predict("allreduce", n, dtype=np.dtype(dtype), op=op) != "ring_pipelined", n
+            for n in (32 << 20, 64 << 20):
+                assert selector.predict("allreduce", n, dtype=np.dtype(dtype), op=op) == "ring_pipelined", n
+            assert crowded.predict("allreduce", 32 << 20, dtype=np.dtype(dtype), op=op) == \
+                Selector(layout=crowded.layout, candidates=crowded.candidates,
+                         model=replace(crowded.model, cold_byte=0.0)).predict("allreduce", 32 << 20,
+                                                                              dtype=np.dtype(dtype), op=op)
+    model, layout, n = CostModel(), Layout(2, (2,)), float(1 << 30)
+    cold = model.cold_byte
+    slope = (model.allreduce("ring", 2 * n, layout) - model.allreduce("ring", n, layout)) / n
+    assert slope == pytest.approx(2 * 0.5 * model.beta + 0.5 * (model.gamma + cold), rel=1e-9)
+    in_cache = model.cache_bytes * 2  # (chunks of exactly cache_bytes: no cold term)
+    assert model.allreduce("rhd", in_cache, layout) == pytest.approx(
+        replace(model, cold_byte=0.0).allreduce("rhd", in_cache, layout), rel=1e-12)
+    assert model.allreduce("ring_pipelined", n, layout) == replace(model, cold_byte=0.0).allreduce(
+        "ring_pipelined", n, layout)
+
+
 def test_native_across_nodes_is_priced_as_the_librarys_algorithm():
     """MPICH's all-reduce across nodes is node-aware (each node's link carries n at 2 x 2); Open MPI's in-place
     non-blocking one, which native polls there, is a binomial reduce and broadcast: mpcomm's tree, run in C. On one
@@ -436,14 +472,15 @@ def test_native_pays_fresh_pages_for_its_temporary_from_32_mib(nodes):
 def test_auto_on_one_open_mpi_node_keeps_native_below_32_mib_and_leaves_it_from_there():
     """Open MPI at p = 2 on one node: native's sums and maxima are the fastest at 2-16 MiB (its blocking all-reduce),
     the pipelined ring the slowest of mpcomm's there (no overlap on one node), and from 32 MiB native takes ~2x
-    mpcomm's ring and rhd (its temporary's fresh pages); avg at 512 KiB is the ring's (its division rides on the
-    last addition; native's takes a pass of its own): bench/results/openmpi.md, "Stop 32"."""
+    mpcomm's ring and rhd (its temporary's fresh pages), and the pipelined ring leads them (its segments reduced in
+    cache); avg at 512 KiB is the ring's (its division rides on the last addition; native's takes a pass of its
+    own): bench/results/openmpi.md, "Stop 32", dtype_op.md, "Stop 34"."""
     selector = openmpi_selector(Layout(2, (2,)))
     for op in ("sum", "max"):
         for dtype in (np.float32, np.float64):
             assert [selector.predict("allreduce", n, dtype=np.dtype(dtype), op=op) for n in (2 << 20, 16 << 20)] \
                 == ["native", "native"]
-            assert selector.predict("allreduce", 32 << 20, dtype=np.dtype(dtype), op=op) in ("ring", "rhd")
+            assert selector.predict("allreduce", 32 << 20, dtype=np.dtype(dtype), op=op) == "ring_pipelined"
         assert selector.predict("allreduce", 512 << 10, dtype=np.dtype(np.float32), op="avg") in ("ring", "rhd")
     in_node, across = selector.model.for_layout(selector.layout), selector.model.for_layout(Layout(4, (2, 2)))
     assert (in_node.overlap, in_node.alpha_py) == (False, selector.model.alpha_py_in_node)

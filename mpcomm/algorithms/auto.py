@@ -127,6 +127,12 @@ class CostModel:
     # computes; MPICH's and Open MPI's shared memory move it inside the receiver's MPI calls (at p = 2 on 2 cores the
     # pipelined ring took 1.16-1.20x the ring at 8 MiB and 0.9-1.1x at 32 MiB on both: dtype_op.md, "Stop 32").
     overlap_in_node: bool = False
+    # Reducing a received block of more than ``cache_bytes`` in one pass reads it back from memory, not from cache:
+    # ``cold_byte`` more per byte of it. The pipelined ring's segments are reduced as they arrive and never pay it
+    # (p = 2 on one node, both libraries: from 32 MiB the ring, rhd and direct took 1-4 ms more than the pipelined
+    # ring, 0.10 ns per byte of their 16-32 MiB chunks; at 16 MiB, 8 MiB chunks, either way: dtype_op.md, "Stop 34").
+    cache_bytes: float = 8 << 20
+    cold_byte: float = 0.1e-9
     # A step of mpcomm's own algorithms on one node, where the library's profile measured it (None: alpha_py).
     alpha_py_in_node: float | None = None
     # The library's all-reduce takes a temporary as large as the message every call, and glibc maps one of
@@ -174,7 +180,9 @@ class CostModel:
         ``alpha_py_in_node``). With more ranks than cores (``ranks_per_core`` r > 1) every
         step waits for its peer to be scheduled (alphas x r) and nothing overlaps: no core is free to move one
         segment while this rank reduces another (measured at p = 4 on 2 cores: rhd's 2 log p steps beat the
-        (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring wins)."""
+        (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring wins), and a
+        block reduced out of cache costs nothing visible beside those waits (``cold_byte``: at p = 4 on 2 cores
+        rhd, reducing 16 MiB halves, kept up with the ring's 8 MiB chunks at 32 MiB; dtype_op.md, "Stop 35")."""
         r = layout.ranks_per_core
         model = self
         if layout.num_nodes == 1 and not self.overlap_in_node:
@@ -184,11 +192,15 @@ class CostModel:
         if r <= 1:
             return model
         return replace(model, alpha_py=model.alpha_py * r, alpha_native=model.alpha_native * r,
-                       alpha_segment=model.alpha_segment * r, overlap=False)
+                       alpha_segment=model.alpha_segment * r, overlap=False, cold_byte=0.0)
 
     # -------------------------------------------------------------- building blocks
     def _link(self, crosses: bool, alpha: float) -> tuple[float, float]:
         return (alpha + self.alpha_net, self.beta_net) if crosses else (alpha, self.beta)
+
+    def _reduce(self, m: float) -> float:
+        """Seconds of reducing a received block of m bytes in one pass (cold past ``cache_bytes``)."""
+        return m * (self.gamma + (self.cold_byte if m > self.cache_bytes else 0.0))
 
     def ring(self, n: float, p: int, crosses: bool, alpha: float, segment: float | None = None) -> float:
         """Ring reduce-scatter + all-gather over p ranks (each step crosses the network if ``crosses``)."""
@@ -196,7 +208,7 @@ class CostModel:
         chunk = n / p
         gather = (p - 1) * (a + chunk * b)
         if segment is None:
-            return gather + (p - 1) * (a + chunk * (b + self.gamma))
+            return gather + (p - 1) * (a + chunk * b + self._reduce(chunk))
         pieces = max(1, math.ceil(chunk / segment))
         if self.overlap:
             overlapped = chunk * max(b, self.gamma) + min(chunk, segment) * min(b, self.gamma)
@@ -212,12 +224,12 @@ class CostModel:
         total = 0.0
         if p2 != p:  # the fold pairs ranks 2i, 2i+1: some pair straddles two nodes when a node's rank count is odd
             a, b = self._link(layout.num_nodes > 1 and q % 2 == 1, alpha)
-            total = 2 * (a + n * b) + n * self.gamma
+            total = 2 * (a + n * b) + self._reduce(n)
         distance, part = p2 // 2, n / 2
         while distance >= 1:  # halving round at this distance exchanges `part` bytes; doubling mirrors it
             crosses = layout.num_nodes > 1 and distance >= q
             a, b = self._link(crosses, alpha)
-            total += 2 * (a + part * b * (q if crosses else 1)) + part * self.gamma
+            total += 2 * (a + part * b * (q if crosses else 1)) + self._reduce(part)
             distance, part = distance // 2, part / 2
         return total
 
@@ -227,7 +239,7 @@ class CostModel:
         while mask < layout.size:
             a, b = self._link(layout.num_nodes > 1 and mask >= layout.ranks_per_node,
                               self.alpha_py if alpha is None else alpha)
-            total += 2 * (a + n * b) + n * self.gamma
+            total += 2 * (a + n * b) + self._reduce(n)
             mask <<= 1
         return total
 

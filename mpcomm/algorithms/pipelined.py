@@ -17,8 +17,9 @@ chunk sizes differ by one (the last segments of a short chunk may be short or em
 
 How much the overlap buys depends on the MPI library making progress while this process computes:
 MPICH and Open MPI move shared-memory messages inside the receiver's MPI calls, so on one host nothing
-overlaps (at p = 2 on 2 cores it took 1.16-1.20x the plain ring at 8 MiB and 0.9-1.1x at 32 MiB,
-bench/results/dtype_op.md "Stop 32"); across hosts the kernel moves the bytes while the rank reduces.
+overlaps (at p = 2 on 2 cores it took 1.16-1.20x the plain ring at 8 MiB, bench/results/dtype_op.md "Stop 32"),
+but from 32 MiB it leads there all the same: each segment is reduced while in cache, where the plain ring's chunk
+has left it ("Stop 34"); across hosts the kernel moves the bytes while the rank reduces.
 Oversubscribed ranks (more ranks than cores) make every extra message a scheduling round trip, and it loses.
 """
 from __future__ import annotations
