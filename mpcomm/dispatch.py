@@ -247,7 +247,7 @@ class Dispatcher:
             outcome = plan.express(buf)  # type: ignore[misc]
             if outcome is NotImplemented:
                 return False
-            trace = t.trace  # (recorded once the call is made: it returns within its tests)
+            trace = t.trace  # (recorded once the call is made: it returns within its tests, or has met every rank)
             if trace is not None:
                 trace.collectives += 1
                 slot = next(trace.slots)

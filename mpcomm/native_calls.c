@@ -219,25 +219,70 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return result;
 }
 
-/* express(bound, buf): allreduce(comm, buf, op, finish, tests) with bound = (comm, op, finish, tests), the arguments
- * one plan's calls share (algorithms/native.py's express: functools.partial(express, bound) is the call), and
- * NotImplemented, with nothing sent, for a buffer that is not writable and C-contiguous too. */
+/* The meeting and the blocking all-reduce of meet_allreduce() and express() on `view` (writable, C-contiguous, with
+ * its format), `meeting` the 8 int64 the caller keeps. */
+static PyObject *meet_allreduce_view(long comm, Py_buffer *view, long op, long finish, long tests, long kind,
+                                     int64_t *meeting) {
+    int floats, code = MPI_SUCCESS;
+    Py_ssize_t parts, count;
+    MPI_Datatype type = reducible(view, finish, &floats, &parts, &count);
+    int64_t *extremes = meeting + 4;
+    MPI_Comm communicator = MPI_Comm_f2c((MPI_Fint)comm);
+    MPI_Request request;
+    if (type == MPI_DATATYPE_NULL) return Py_NewRef(Py_NotImplemented);
+    meeting[0] = count, meeting[1] = kind, meeting[2] = -count, meeting[3] = -kind;
+    if ((code = MPI_Iallreduce(meeting, extremes, 4, MPI_INT64_T, MPI_MAX, communicator, &request)) != MPI_SUCCESS)
+        return failed(code);
+    int met;
+    Py_BEGIN_ALLOW_THREADS
+    met = done_after(&request, tests, &code);
+    Py_END_ALLOW_THREADS
+    if (code != MPI_SUCCESS) return failed(code);
+    if (!met) return PyLong_FromLong((long)MPI_Request_c2f(request));
+    if (extremes[0] != -extremes[2] || extremes[1] != -extremes[3]) return Py_NewRef(Py_False);
+    Py_BEGIN_ALLOW_THREADS
+    code = MPI_Allreduce(MPI_IN_PLACE, view->buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op), communicator);
+    Py_END_ALLOW_THREADS
+    if (code != MPI_SUCCESS) return failed(code);
+    finished(view->buf, count * parts, floats, finish);
+    Py_RETURN_NONE;
+}
+
+/* The 8 int64 of a meeting, from `array` (writable, C-contiguous); 0, with an exception set, where it is not that. */
+static int meeting_of(PyObject *array, Py_buffer *meeting) {
+    if (PyObject_GetBuffer(array, meeting, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return 0;
+    if (meeting->len == 8 * (Py_ssize_t)sizeof(int64_t)) return 1;
+    PyErr_Format(PyExc_ValueError, "meet_allreduce: meeting has %zd bytes, not 8 int64", meeting->len);
+    PyBuffer_Release(meeting);
+    return 0;
+}
+
+/* express(bound, buf): allreduce(comm, buf, op, finish, tests) with bound = (comm, op, finish, tests), or
+ * meet_allreduce(comm, buf, op, finish, tests, kind, meeting) with bound = (comm, op, finish, tests, kind, meeting):
+ * the arguments one plan's calls share (algorithms/native.py's express: functools.partial(express, bound) is the
+ * call), and NotImplemented, with nothing sent, for a buffer that is not writable and C-contiguous too. */
 static PyObject *express(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 4) {
-        PyErr_SetString(PyExc_TypeError, "express((comm, op, finish, tests), buf)");
+    Py_ssize_t size = nargs == 2 && PyTuple_CheckExact(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
+    if (size != 4 && size != 6) {
+        PyErr_SetString(PyExc_TypeError, "express((comm, op, finish, tests[, kind, meeting]), buf)");
         return NULL;
     }
-    long bound[4];
-    for (int i = 0; i < 4; i++)
+    long bound[5];
+    for (int i = 0; i < (size == 4 ? 4 : 5); i++)
         if ((bound[i] = PyLong_AsLong(PyTuple_GET_ITEM(args[0], i))) == -1 && PyErr_Occurred()) return NULL;
-    Py_buffer view;
+    Py_buffer view, meeting;
+    if (size == 6 && !meeting_of(PyTuple_GET_ITEM(args[0], 5), &meeting)) return NULL;
+    PyObject *result;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
         PyErr_Clear();
-        return Py_NewRef(Py_NotImplemented);
+        result = Py_NewRef(Py_NotImplemented);
+    } else {
+        result = size == 4 ? allreduce_view(bound[0], &view, bound[1], bound[2], bound[3])
+                           : meet_allreduce_view(bound[0], &view, bound[1], bound[2], bound[3], bound[4], meeting.buf);
+        PyBuffer_Release(&view);
     }
-    PyObject *result = allreduce_view(bound[0], &view, bound[1], bound[2], bound[3]);
-    PyBuffer_Release(&view);
+    if (size == 6) PyBuffer_Release(&meeting);
     return result;
 }
 
@@ -258,53 +303,12 @@ static PyObject *meet_allreduce(PyObject *self, PyObject *const *args, Py_ssize_
     if (((op = PyLong_AsLong(args[2])) == -1 || (kind = PyLong_AsLong(args[5])) == -1) && PyErr_Occurred())
         return NULL;
     Py_buffer view, meeting;
-    if (PyObject_GetBuffer(args[6], &meeting, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
-    if (meeting.len != 8 * (Py_ssize_t)sizeof(int64_t)) {
-        PyBuffer_Release(&meeting);
-        return PyErr_Format(PyExc_ValueError, "meet_allreduce: meeting has %zd bytes, not 8 int64", meeting.len);
-    }
+    if (!meeting_of(args[6], &meeting)) return NULL;
     if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
         PyBuffer_Release(&meeting);
         return NULL;
     }
-    int floats, code = MPI_SUCCESS;
-    Py_ssize_t parts, count;
-    MPI_Datatype type = reducible(&view, finish, &floats, &parts, &count);
-    int64_t *mine = meeting.buf, *extremes = mine + 4;
-    MPI_Comm communicator = MPI_Comm_f2c((MPI_Fint)comm);
-    PyObject *result = NULL;
-    MPI_Request request;
-    if (type == MPI_DATATYPE_NULL) {
-        result = Py_NewRef(Py_NotImplemented);
-        goto release;
-    }
-    mine[0] = count, mine[1] = kind, mine[2] = -count, mine[3] = -kind;
-    if ((code = MPI_Iallreduce(mine, extremes, 4, MPI_INT64_T, MPI_MAX, communicator, &request)) != MPI_SUCCESS) {
-        failed(code);
-        goto release;
-    }
-    int met;
-    Py_BEGIN_ALLOW_THREADS
-    met = done_after(&request, tests, &code);
-    Py_END_ALLOW_THREADS
-    if (code != MPI_SUCCESS) {
-        failed(code);
-    } else if (!met) {
-        result = PyLong_FromLong((long)MPI_Request_c2f(request));
-    } else if (extremes[0] != -extremes[2] || extremes[1] != -extremes[3]) {
-        result = Py_NewRef(Py_False);
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        code = MPI_Allreduce(MPI_IN_PLACE, view.buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op), communicator);
-        Py_END_ALLOW_THREADS
-        if (code != MPI_SUCCESS) {
-            failed(code);
-        } else {
-            finished(view.buf, count * parts, floats, finish);
-            result = Py_NewRef(Py_None);
-        }
-    }
-release:
+    PyObject *result = meet_allreduce_view(comm, &view, op, finish, tests, kind, meeting.buf);
     PyBuffer_Release(&view);
     PyBuffer_Release(&meeting);
     return result;
@@ -382,7 +386,8 @@ static PyMethodDef methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))allreduce, METH_FASTCALL,
      "allreduce(comm, buf, op, finish, tests) -> None (done) | request handle | NotImplemented"},
     {"express", (PyCFunction)(void (*)(void))express, METH_FASTCALL,
-     "express((comm, op, finish, tests), buf) -> allreduce(comm, buf, op, finish, tests)"},
+     "express((comm, op, finish, tests[, kind, meeting]), buf) -> allreduce(comm, buf, op, finish, tests) | "
+     "meet_allreduce(comm, buf, op, finish, tests, kind, meeting)"},
     {"meet_allreduce", (PyCFunction)(void (*)(void))meet_allreduce, METH_FASTCALL,
      "meet_allreduce(comm, buf, op, finish, tests, kind, meeting) -> None (done) | False (they differ) | request "
      "handle | NotImplemented"},

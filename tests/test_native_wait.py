@@ -203,14 +203,27 @@ def test_a_rank_late_to_the_meeting_is_waited_for_within_the_deadline(monkeypatc
 LATE_CASES = [(np.float32, "sum"), (np.float64, "avg"), (np.int32, "sum"), (np.float32, "max")]
 
 
-@pytest.mark.mpi(min_size=2)
-def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_does(monkeypatch):
-    """From the second call of one (shape, dtype, op), native's small all-reduce of a host array is its plan's
-    express call (run() is not called): the same result, counted in stats() and recorded by the flight recorder as
-    run() does. An array the call does not take goes the general way: a read-only one is refused, a strided one
-    reduced through a work array."""
+EXPRESS_WAYS = ["nonblocking", "meet+blocking"]  # (native's ways that its one C call makes whole)
+
+
+def express_way(monkeypatch, way: str) -> int:
+    """native forced to wait in ``way`` (of EXPRESS_WAYS) at every size; the length of the arguments its express
+    call binds in that way (the one C call's 4, the meeting's 6)."""
     if native_calls.load() is None:
         pytest.skip("native_calls is not built here")
+    profile = forced(way)
+    monkeypatch.setattr(native, "library", lambda: profile)
+    return 6 if way == "meet+blocking" else 4
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("way", EXPRESS_WAYS)
+def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_does(monkeypatch, way):
+    """From the second call of one (shape, dtype, op), native's all-reduce of a host array is its plan's express
+    call (run() is not called), whether it waits in that call or meets and blocks in it: the same result, counted in
+    stats() and recorded by the flight recorder as run() does. An array the call does not take goes the general
+    way: a read-only one is refused, a strided one reduced through a work array."""
+    bound = express_way(monkeypatch, way)
     comm = Communicator(WORLD)
     runs = []
     run = comm.run
@@ -226,15 +239,17 @@ def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_
                 comm.allreduce(read_only, algorithm="native")
             strided = np.repeat(x, 2)[::2]
             results.append(comm.allreduce(strided, algorithm="native"))
-            return results, len(runs), comm.stats()["allreduce"]["native"], comm.dump_trace(directory)
+            express = comm._planned_allreduce(x, "sum", "native").express
+            return results, len(runs), comm.stats()["allreduce"]["native"], comm.dump_trace(directory), express
 
-        results, ran, stats, path = in_step(calls)
+        results, ran, stats, path, express = in_step(calls)
         entries = own_entries(path, comm._trace.name)
     finally:
         comm.free()
     expected = np.arange(5, dtype=np.float32) * P + P * (P - 1) // 2
     for result in results:
         np.testing.assert_array_equal(result, expected)
+    assert len(express.args[0]) == bound, express
     assert ran == 2, f"{ran} calls went through run(): the first (the plan is made) and the strided one only"
     assert (stats["calls"], stats["bytes"]) == (4, 4 * 20), stats
     assert [(e["collective_seq_id"], e["profiling_name"], e["state"]) for e in entries] == \
@@ -242,13 +257,14 @@ def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("way", EXPRESS_WAYS)
 @pytest.mark.parametrize("dtype,op", LATE_CASES, ids=map(pair_id, LATE_CASES))
-def test_a_rank_late_to_an_express_call_is_waited_for_then_finished(monkeypatch, dtype, op):
-    """An express call not done within its Tests returns the request still running: it is waited for within the
-    deadline, then finished as the C call would have (numpy's NaN, avg's division): the same bits as numpy's on
-    every rank (rank 0 comes 20 ms late, so the others wait)."""
-    if native_calls.load() is None:
-        pytest.skip("native_calls is not built here")
+def test_a_rank_late_to_an_express_call_is_waited_for_then_finished(monkeypatch, dtype, op, way):
+    """An express call not done within its Tests returns the request still running (or its meeting's): it is waited
+    for within the deadline (the meeting then compared and the blocking call made), then finished as the C call
+    would have (numpy's NaN, avg's division): the same bits as numpy's on every rank (rank 0 comes 20 ms late, so
+    the others wait)."""
+    express_way(monkeypatch, way)
     waited = []
     monkeypatch.setitem(EXPRESS, "native", (native.express, lambda *args: waited.append(1) or native.complete(*args)))
     comm = Communicator(WORLD)
@@ -272,9 +288,11 @@ def test_a_rank_late_to_an_express_call_is_waited_for_then_finished(monkeypatch,
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_silent_rank_times_out_an_express_call():
-    """The express call's request, waited for within the deadline: a rank that never comes is a timeout on every
-    rank waiting for it, naming the call, and the communicator is unusable after it."""
+@pytest.mark.parametrize("way", EXPRESS_WAYS)
+def test_a_silent_rank_times_out_an_express_call(monkeypatch, way):
+    """The express call's request (or its meeting's), waited for within the deadline: a rank that never comes is a
+    timeout on every rank waiting for it, naming the call, and the communicator is unusable after it."""
+    express_way(monkeypatch, way)
     comm = Communicator(WORLD, timeout=TIMEOUT)
     try:
         in_step(lambda: comm.allreduce(np.ones(8), algorithm="native"))  # (the plan is made)
@@ -288,6 +306,39 @@ def test_a_silent_rank_times_out_an_express_call():
     assert_every_waiting_rank_timed_out(silence, ["allreduce[native]"])
     if WORLD.Get_rank() != SILENT:
         assert unusable is not None and "stopped midway" in unusable, unusable
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_in_an_express_meeting_are_told_on_every_rank(monkeypatch):
+    """meet+blocking through the plans' express calls (both shapes planned on every rank): rank 0 comes with 8
+    elements, the others with 9, and the meeting in the C call tells every rank (CollectiveMismatchError, run() not
+    called); nothing was sent, so the communicator stays usable."""
+    express_way(monkeypatch, "meet+blocking")
+    comm = Communicator(WORLD)
+    runs = []
+    try:
+        for n in (8, 9):
+            in_step(lambda: comm.allreduce(np.ones(n), algorithm="native"))
+        run = comm.run
+        monkeypatch.setattr(comm, "run", lambda *args, **kwargs: runs.append(args[0]) or run(*args, **kwargs))
+
+        def disagree():
+            try:
+                comm.allreduce(np.ones(8 if comm.rank == 0 else 9), algorithm="native")
+            except CollectiveMismatchError as exc:
+                return str(exc)
+            return None
+
+        messages = WORLD.allgather(disagree())
+        ran = len(runs)
+        after = in_step(lambda: comm.allreduce(np.ones(9), algorithm="native"))
+    finally:
+        comm.free()
+    assert ran == 0, f"{ran} calls went through run(), not the express call"
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank} did not raise CollectiveMismatchError"
+        assert "different counts" in message and f"rank {rank}" in message, message
+    assert (after == P).all()
 
 
 @pytest.mark.mpi(min_size=2)

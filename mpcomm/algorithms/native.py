@@ -62,29 +62,41 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
 
 def express(t: Transport, buf, op: ReduceOp) -> Callable[[Any], Any] | None:
     """native's whole all-reduce of host arrays of ``buf``'s count, dtype and op on ``t`` as one C call
-    (``native_calls.express``), where that call does all :func:`allreduce` does: native waits in the one C call
-    (:func:`_way`), which also finishes what is left (avg's division, the NaN pass). Called on an array, it returns
-    None once done, NotImplemented (nothing sent) for an array it does not take (not writable and C-contiguous),
-    else the request still running, for :func:`complete`. None where there is no such call (nor for p = 1 or an
-    empty array, which send nothing)."""
+    (``native_calls.express``), where that call does all :func:`allreduce` does: native waits in the one C call, or
+    meets and blocks in it (:func:`_way`), which also finishes what is left (avg's division, the NaN pass). Called on
+    an array, it returns None once done, NotImplemented (nothing sent) for an array it does not take (not writable
+    and C-contiguous), else what is left for :func:`complete`: the request still running, or the meeting's (or
+    False: the ranks disagree). None where there is no such call (nor for p = 1 or an empty array, which send
+    nothing)."""
     calls, nbytes = load_calls(), buf.nbytes
-    taken = type(buf) is np.ndarray and buf.dtype in _C_DTYPES and t.size > 1 and nbytes
+    taken = calls is not None and type(buf) is np.ndarray and buf.dtype in _C_DTYPES and t.size > 1 and nbytes
     how = _how(t, buf, op) if taken else None
-    if how is None or _way(t, nbytes, calls) != _ONE_CALL:
+    way = _way(t, nbytes, calls) if how is not None else None
+    if how is None or way not in (_ONE_CALL, _MEET):
         return None
     mpi_op, finish, nan_pass = how
     if finish == 0 and (op.divisor != 1 or nan_pass):  # (a pass left after the call)
         return None
-    return functools.partial(calls.express, (t.fortran, mpi_op.py2f(), finish, t.quick_tests * _C_TESTS))
+    bound: tuple
+    if way == _MEET:
+        bound = (t.fortran, mpi_op.py2f(), finish, _MEETING_TESTS, _kind(buf.dtype, op.name), _meeting(t))
+    else:
+        bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * _C_TESTS)
+    return functools.partial(calls.express, bound)
 
 
-def complete(t: Transport, buf, op: ReduceOp, request: int) -> None:
-    """The rest of an all-reduce whose :func:`express` call returned ``request`` still running: waited for within
-    the deadline, then finished as the call would have."""
-    t.wait_one(MPI.Request.f2py(request))
+def complete(t: Transport, buf, op: ReduceOp, outcome) -> None:
+    """The rest of an all-reduce whose :func:`express` call returned ``outcome``: its request still running, waited
+    for within the deadline; or its meeting's, waited for, then compared and the blocking call made (False: the
+    ranks disagree, CollectiveMismatchError). Then finished as the call would have."""
     how = _how(t, buf, op)
     assert how is not None  # (express calls are only made where it is not)
-    _finish(buf, op, how[2])
+    mpi_op, finish, nan_pass = how
+    if _way(t, buf.nbytes, load_calls()) == _MEET:
+        _after_meeting(t, buf, op, mpi_op, outcome)
+    else:
+        t.wait_one(MPI.Request.f2py(outcome))
+    _finish(buf, op, nan_pass)
 
 
 def _how(t: Transport, buf, op: ReduceOp) -> tuple[MPI.Op, int, bool] | None:
@@ -316,20 +328,32 @@ def _meet_then_block(t: Transport, buf, op: ReduceOp, mpi_op, finish: int) -> bo
     """The ranks meet (:func:`_meet`), then make the library's blocking all-reduce of ``buf``: both in
     ``native_calls``' one C call where it is built and the meeting is done within its tests (True if it also
     finished as ``finish`` asks), else through mpi4py's calls."""
-    calls, kind = load_calls(), _kind(buf.dtype, op.name)
-    meeting = t.scratch("native.meeting", 8, np.int64)
+    calls = load_calls()
     outcome = NotImplemented if calls is None else \
-        calls.meet_allreduce(t.fortran, buf, mpi_op.py2f(), finish, _MEETING_TESTS, kind, meeting)
+        calls.meet_allreduce(t.fortran, buf, mpi_op.py2f(), finish, _MEETING_TESTS, _kind(buf.dtype, op.name),
+                             _meeting(t))
     if outcome is None:
         return finish != 0
+    _after_meeting(t, buf, op, mpi_op, outcome)
+    return False
+
+
+def _after_meeting(t: Transport, buf, op: ReduceOp, mpi_op, outcome) -> None:
+    """What a meeting C call left (``outcome``: the meeting's request still running, False where the ranks
+    disagree, NotImplemented where it made no meeting) done in Python: the meeting, compared, then the blocking
+    all-reduce of ``buf`` (not finished)."""
     if outcome is NotImplemented:
-        _meet(t, buf, op, kind)
+        _meet(t, buf, op, _kind(buf.dtype, op.name))
     else:
         if outcome is not False:  # (the meeting still runs: waited for within the deadline)
             t.wait_one(MPI.Request.f2py(outcome))
-        _check_met(t, buf, op, meeting[4:])
+        _check_met(t, buf, op, _meeting(t)[4:])
     t.mpi.Allreduce(MPI.IN_PLACE, buf, mpi_op)
-    return False
+
+
+def _meeting(t: Transport):
+    """The 8 int64 a meeting C call writes on ``t``: (count, kind, -count, -kind) and their maxima over the ranks."""
+    return t.scratch("native.meeting", 8, np.int64)
 
 
 @functools.cache
