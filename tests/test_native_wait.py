@@ -136,14 +136,38 @@ def test_a_silent_rank_times_out(way):
     assert_every_waiting_rank_timed_out(silence, ["allreduce[native]"])
 
 
-@pytest.mark.mpi(min_size=2)
-def test_ranks_that_disagree_on_the_count_are_told_on_every_rank(monkeypatch):
-    """meet+blocking: the meeting compares counts before the blocking call, so no rank enters it to wait for a
-    call that does not match; nothing was sent, so the communicator stays usable."""
-    profile = forced("meet+blocking")
+EXPRESS_WAYS = ["nonblocking", "meet+blocking"]  # (native's ways that its one C call makes whole)
+
+
+def express_way(monkeypatch, way: str) -> int:
+    """native forced to wait in ``way`` (of EXPRESS_WAYS) at every size; the length of the arguments its express
+    call binds in that way (the one C call's 4, the meeting's 6)."""
+    if native_calls.load() is None:
+        pytest.skip("native_calls is not built here")
+    profile = forced(way)
     monkeypatch.setattr(native, "library", lambda: profile)
+    return 6 if way == "meet+blocking" else 4
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("planned", [False, True], ids=["first calls", "express calls"])
+def test_ranks_that_disagree_on_the_count_are_told_on_every_rank(monkeypatch, planned):
+    """meet+blocking: the meeting compares counts before the blocking call, so no rank enters it to wait for a
+    call that does not match; nothing was sent, so the communicator stays usable. Where both shapes were planned on
+    every rank first, the meeting is the plans' express C calls' (run() not called)."""
+    if planned:
+        express_way(monkeypatch, "meet+blocking")
+    else:
+        profile = forced("meet+blocking")
+        monkeypatch.setattr(native, "library", lambda: profile)
     comm = Communicator(WORLD)
+    runs = []
     try:
+        for n in (8, 9) if planned else ():
+            in_step(lambda: comm.allreduce(np.ones(n), algorithm="native"))
+        run = comm.run
+        monkeypatch.setattr(comm, "run", lambda *args, **kwargs: runs.append(args[0]) or run(*args, **kwargs))
+
         def disagree():
             try:
                 comm.allreduce(np.ones(8 if comm.rank == 0 else 9), algorithm="native")
@@ -152,9 +176,11 @@ def test_ranks_that_disagree_on_the_count_are_told_on_every_rank(monkeypatch):
             return None
 
         messages = WORLD.allgather(disagree())
+        ran = len(runs)
         after = in_step(lambda: comm.allreduce(np.ones(5), algorithm="native"))
     finally:
         comm.free()
+    assert ran == (0 if planned else 1), f"{ran} calls went through run()"
     for rank, message in enumerate(messages):
         assert message is not None, f"rank {rank} did not raise CollectiveMismatchError"
         assert "different counts" in message and f"rank {rank}" in message, message
@@ -201,19 +227,6 @@ def test_a_rank_late_to_the_meeting_is_waited_for_within_the_deadline(monkeypatc
 
 
 LATE_CASES = [(np.float32, "sum"), (np.float64, "avg"), (np.int32, "sum"), (np.float32, "max")]
-
-
-EXPRESS_WAYS = ["nonblocking", "meet+blocking"]  # (native's ways that its one C call makes whole)
-
-
-def express_way(monkeypatch, way: str) -> int:
-    """native forced to wait in ``way`` (of EXPRESS_WAYS) at every size; the length of the arguments its express
-    call binds in that way (the one C call's 4, the meeting's 6)."""
-    if native_calls.load() is None:
-        pytest.skip("native_calls is not built here")
-    profile = forced(way)
-    monkeypatch.setattr(native, "library", lambda: profile)
-    return 6 if way == "meet+blocking" else 4
 
 
 @pytest.mark.mpi(min_size=2)
@@ -306,39 +319,6 @@ def test_a_silent_rank_times_out_an_express_call(monkeypatch, way):
     assert_every_waiting_rank_timed_out(silence, ["allreduce[native]"])
     if WORLD.Get_rank() != SILENT:
         assert unusable is not None and "stopped midway" in unusable, unusable
-
-
-@pytest.mark.mpi(min_size=2)
-def test_ranks_that_disagree_in_an_express_meeting_are_told_on_every_rank(monkeypatch):
-    """meet+blocking through the plans' express calls (both shapes planned on every rank): rank 0 comes with 8
-    elements, the others with 9, and the meeting in the C call tells every rank (CollectiveMismatchError, run() not
-    called); nothing was sent, so the communicator stays usable."""
-    express_way(monkeypatch, "meet+blocking")
-    comm = Communicator(WORLD)
-    runs = []
-    try:
-        for n in (8, 9):
-            in_step(lambda: comm.allreduce(np.ones(n), algorithm="native"))
-        run = comm.run
-        monkeypatch.setattr(comm, "run", lambda *args, **kwargs: runs.append(args[0]) or run(*args, **kwargs))
-
-        def disagree():
-            try:
-                comm.allreduce(np.ones(8 if comm.rank == 0 else 9), algorithm="native")
-            except CollectiveMismatchError as exc:
-                return str(exc)
-            return None
-
-        messages = WORLD.allgather(disagree())
-        ran = len(runs)
-        after = in_step(lambda: comm.allreduce(np.ones(9), algorithm="native"))
-    finally:
-        comm.free()
-    assert ran == 0, f"{ran} calls went through run(), not the express call"
-    for rank, message in enumerate(messages):
-        assert message is not None, f"rank {rank} did not raise CollectiveMismatchError"
-        assert "different counts" in message and f"rank {rank}" in message, message
-    assert (after == P).all()
 
 
 @pytest.mark.mpi(min_size=2)
