@@ -71,8 +71,10 @@ def express(t: Transport, buf, op: ReduceOp) -> Callable[[Any], Any] | None:
     calls, nbytes = load_calls(), buf.nbytes
     taken = calls is not None and type(buf) is np.ndarray and buf.dtype in _C_DTYPES and t.size > 1 and nbytes
     how = _how(t, buf, op) if taken else None
-    way = _way(t, nbytes, calls) if how is not None else None
-    if how is None or way not in (_ONE_CALL, _MEET):
+    if how is None:
+        return None
+    way = _way(t, nbytes, calls)
+    if way not in (_ONE_CALL, _MEET):
         return None
     mpi_op, finish, nan_pass = how
     if finish == 0 and (op.divisor != 1 or nan_pass):  # (a pass left after the call)
