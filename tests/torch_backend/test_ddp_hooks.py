@@ -244,11 +244,14 @@ def test_wire_hook_is_the_compressed_average_bitwise(wire, error_feedback):
 
 @pytest.mark.parametrize("wire", WIRES)
 def test_wire_hook_where_it_pays_sends_float32_on_one_host(wire):
-    """One host: the cost model never prices a wire as paying, so the hook is the plain average, bit for bit (the
-    exact sums of small dyadic gradients), and error feedback keeps nothing."""
+    """One host: the cost model never prices a wire as paying, so the hook is the plain average in float32, and
+    error feedback keeps nothing. Bit for bit at the first step (the exact sums of small dyadic gradients); after
+    an update the gradients carry more bits than float32's sums keep, so the library's order of addition (Open
+    MPI's recursive doubling at p = 4) rounds: within a few float32 ulps, where a 16-bit wire would be 2^-8 off."""
     state = WireState(wire, error_feedback=True, where_it_pays=True)
     steps = on_backend("mpcomm", lambda: train(wire_hook, state, model=make_model((16, 32, 8), bias=False)))
-    problems = mismatches(ddp_gradients(steps), gathered_reference(steps, mean))
+    got, expected = ddp_gradients(steps), gathered_reference(steps, mean)
+    problems = mismatches(got[:1], expected[:1]) + mismatches(got, expected, rtol=1e-6, scaled=1e-6)
     assert not problems, (RANK, problems)
     assert all(not e.any() for e in state.errors.values())
 

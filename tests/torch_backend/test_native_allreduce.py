@@ -26,7 +26,7 @@ dist = pytest.importorskip("torch.distributed")
 
 from mpcomm.algorithms import native  # noqa: E402
 from mpcomm.integrations.torch import allreduce, extension  # noqa: E402
-from mpcomm.mpi_library import forced, loaded_path  # noqa: E402
+from mpcomm.mpi_library import forced, library, loaded_path  # noqa: E402
 from torch_backend.groups import backend_of, fail_on_rank0_then_destroy  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -50,10 +50,13 @@ def inputs(n: int, dtype, salt: int = 0) -> list[torch.Tensor]:
 
 def takes_cpp_path(group, tensor: torch.Tensor, op: str = "sum") -> bool:
     """Whether the C++ path takes an all-reduce of ``tensor`` by ``op`` (mpcomm's name): where auto plans native
-    with MPI's own op, not where native reduces with mpcomm's (float sums on Open MPI at every size)."""
+    with MPI's own op, not where native reduces with mpcomm's (float sums on Open MPI at every size), nor where
+    native meets and then blocks (Open MPI from 4 KiB: the C++ call only polls)."""
     comm = backend_of(group).comm
-    planned = comm.plan("allreduce", tensor.numpy(), op, "auto")
-    return planned.algorithm == "native" and native.own_op(comm.transport, tensor.numpy(), planned.rop) is None
+    array = tensor.numpy()
+    planned = comm.plan("allreduce", array, op, "auto")
+    return (planned.algorithm == "native" and native.own_op(comm.transport, array, planned.rop) is None
+            and not native.meets_then_blocks(comm.transport, library(), array.nbytes))
 
 
 def sync_opts() -> dist.AllreduceOptions:
