@@ -65,8 +65,9 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # blocking call in one C call on an idle node; below, the meeting costs ~1.3 us more than it saves.
     # Open MPI runs a user op as fast as its SUM at every size, so a float sum needs no NaN pass after it; then
     # native moves 2-16 MiB all-reduces in 0.9x the time of mpcomm's rhd and ring; 1.0 keeps avg (a pass more) off
-    # native where the ring, which divides in its last addition, is faster (openmpi.md). Across nodes native polls
-    # libnbc's in-place all-reduce: a binomial reduce and broadcast, not node-aware (cluster.md). On one node a step
+    # native where the ring, which divides in its last addition, is faster (openmpi.md). Across nodes, and on one
+    # node where ranks share cores, native polls libnbc's in-place all-reduce: a binomial reduce and broadcast, not
+    # node-aware (cluster.md; at p = 4 on 2 cores it took 1.1-2x rhd's time from 256 KiB: dtype_op.md, "Stop 36"). On one node a step
     # of mpcomm's own algorithms is priced at 10 us, not MPICH's 25 (which places MPICH's crossovers with its
     # native): rhd's 8 B all-reduce takes 14-16 us for its two steps there, and at 25 auto kept avg on native at
     # 512 KiB, 1.17-1.40x the ring and rhd (openmpi.md, "Stop 32"; across simulated nodes 10 us sent 4-16 KiB from
@@ -75,8 +76,8 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # 2.8-4.1x mpcomm's tree at 512 KiB-4 MiB (dtype_op.md, "Stop 33").
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None),
-                       cost_model=(("native_byte_scale", 1.0), ("native_across_nodes", "binomial"),
-                                   ("alpha_py_in_node", 10e-6), ("native_int_scale", ((1, 2.0), (2, 1.6))),
+                       cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"),
+                                   ("native_blocks_in_node", True), ("alpha_py_in_node", 10e-6), ("native_int_scale", ((1, 2.0), (2, 1.6))),
                                    ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).

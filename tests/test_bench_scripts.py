@@ -161,3 +161,24 @@ def test_dtype_op_sweep_takes_the_median_of_repeated_runs(tmp_path, monkeypatch)
     assert "| float32 | sum | 1.05 | 1.50 | **1.50** |" in out, out
     assert "(1 of 2 cells above 1.1)" in out, out
     assert "- float32 sum 64: 1.50-1.50 (auto took native; best ring)" in out and "sum 8:" not in out, out
+
+
+def test_model_picks_judges_the_models_pick_by_the_median_time_of_the_runs(tmp_path):
+    """``model_picks.py``: per cell, the model's pick among the algorithms the runs timed, judged by its median time
+    over the runs against the fastest one's (not auto's own column); runs of different collectives are refused."""
+    def run(path: Path, native_us: float, collective: str = "allreduce") -> str:
+        rows = [{"collective": collective, "ranks": 2, "dtype": "float32", "redop": "sum", "size": 8,
+                 "algorithm": name, "time_us": us} for name, us in
+                (("native", native_us), ("ring", 10.0), ("auto", 1.0), ("mpi4py-raw", 1.0))]
+        path.write_text(json.dumps(rows))
+        return str(path)
+
+    runs = [run(tmp_path / f"{i}.json", us) for i, us in enumerate((5.0, 20.0, 30.0))]  # (native's median: 20)
+    script = [sys.executable, "bench/model_picks.py", "--library", "mpich"]
+    out = subprocess.run([*script, *runs], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "3 runs: 1 cells, 1 above 1.1, geometric mean 2.000, worst 2.00" in out.stdout, out.stdout
+    assert "float32 sum 8: native 2.00" in out.stdout, out.stdout  # (8 B: the model's pick is native)
+    mixed = subprocess.run([*script, runs[0], run(tmp_path / "rs.json", 5.0, "reduce_scatter")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert mixed.returncode != 0 and "mix collectives or ranks" in mixed.stderr, mixed.stderr

@@ -36,6 +36,10 @@ STEADY_MARGIN = 0.05  # across nodes, a ring this close to the cheapest predicti
 WIRE_MARGIN = 0.2  # a compressed wire must be predicted this much faster than float32 to be used (Selector.wire_pays)
 FRESH_PAGES_FROM = (32 << 20) - 4096  # glibc maps blocks from 32 MiB (its largest mmap threshold) fresh, header in
 _FLOAT32 = np.dtype(np.float32)
+# CostModel's terms for what a core does (a step's wait for its peer to run, a byte copied, reduced or converted),
+# which ranks sharing cores pay r times over (CostModel.for_layout)
+_SHARED_CORE_TERMS = ("alpha_py", "alpha_native", "alpha_segment", "alpha_pass", "alpha_kernel", "beta", "gamma",
+                      "widen_byte", "pass_byte", "kernel16_byte", "fresh_page_byte")
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,11 @@ class CostModel:
     native_min_max_op: bool = True
     # Across nodes native polls the library's non-blocking all-reduce: MPICH's is node-aware; Open MPI's (libnbc)
     # runs an in-place one as a binomial reduce, then a binomial broadcast ("binomial"; bench/results/cluster.md).
-    native_across_nodes: str = "node_aware"
+    native_polled: str = "node_aware"
+    # On one node native makes the library's blocking all-reduce (its price above) only where every rank has a core
+    # of its own (mpi_library.Library.blocking_on_shared_cores); with ranks sharing cores it polls the non-blocking
+    # one (``native_polled``) there too.
+    native_blocks_in_node: bool = False
     overlap: bool = True
     # On one node the pipelined ring would overlap only where the library moved a message while the receiver
     # computes; MPICH's and Open MPI's shared memory move it inside the receiver's MPI calls (at p = 2 on 2 cores the
@@ -177,22 +185,26 @@ class CostModel:
 
     def for_layout(self, layout: Layout) -> "CostModel":
         """The model as it applies on ``layout``: on one node, the library's own figures for it (``overlap_in_node``,
-        ``alpha_py_in_node``). With more ranks than cores (``ranks_per_core`` r > 1) every
-        step waits for its peer to be scheduled (alphas x r) and nothing overlaps: no core is free to move one
-        segment while this rank reduces another (measured at p = 4 on 2 cores: rhd's 2 log p steps beat the
-        (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring wins), and a
-        block reduced out of cache costs nothing visible beside those waits (``cold_byte``: at p = 4 on 2 cores
-        rhd, reducing 16 MiB halves, kept up with the ring's 8 MiB chunks at 32 MiB; dtype_op.md, "Stop 35")."""
+        ``alpha_py_in_node`` where every rank has a core). With more ranks than cores (``ranks_per_core`` r > 1) each
+        rank has 1/r of a core while all work at once, so every step's wait for its peer to be scheduled (25 us x r
+        on either library: 35-45 us per step of rhd at p = 4 on 2 cores) and every byte a core moves or reduces takes
+        r times as long (``_SHARED_CORE_TERMS``; the network's terms do not), and nothing overlaps: no core is free to
+        move one segment while this rank reduces another (measured at p = 4 on 2 cores: rhd's 2 log p steps beat the
+        (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring wins). A block
+        reduced out of cache costs nothing visible beside those waits (``cold_byte``: at p = 4 on 2 cores rhd,
+        reducing 16 MiB halves, kept up with the ring's 8 MiB chunks at 32 MiB; dtype_op.md, "Stop 35"). (With the
+        alphas alone scaled, the bytes were priced at a quarter to a third of what they took at p = 4 on 2 cores, and
+        native kept 16-bit all-reduces of 256 KiB that direct moved in 0.5-0.85x its time; dtype_op.md, "Stop 36".)"""
         r = layout.ranks_per_core
         model = self
         if layout.num_nodes == 1 and not self.overlap_in_node:
             model = replace(model, overlap=False)
-        if layout.num_nodes == 1 and self.alpha_py_in_node is not None:
-            model = replace(model, alpha_py=self.alpha_py_in_node)
         if r <= 1:
+            if layout.num_nodes == 1 and self.alpha_py_in_node is not None:
+                model = replace(model, alpha_py=self.alpha_py_in_node)
             return model
-        return replace(model, alpha_py=model.alpha_py * r, alpha_native=model.alpha_native * r,
-                       alpha_segment=model.alpha_segment * r, overlap=False, cold_byte=0.0)
+        return replace(model, overlap=False, cold_byte=0.0,
+                       **{name: getattr(model, name) * r for name in _SHARED_CORE_TERMS})
 
     # -------------------------------------------------------------- building blocks
     def _link(self, crosses: bool, alpha: float) -> tuple[float, float]:
@@ -384,13 +396,15 @@ class CostModel:
         in the node (the node's link carries what one rank sends, as for ``hierarchical``). Bytes on the network
         go at the link's rate whoever sends them: on 2 x 2 simulated nodes at 1 Gbit/s native took hierarchical's
         time, the same bytes on each NIC, where the scale had priced it well above (bench/results/cluster.md).
-        Where the library's is a binomial tree (``native_across_nodes``), it is mpcomm's tree run in C. From
-        ``FRESH_PAGES_FROM`` bytes its temporary comes in fresh pages every call."""
+        Where native polls a library's that is a binomial tree (``native_polled``: across nodes, and on one node
+        where ranks share cores and the library's blocking call is not made, ``native_blocks_in_node``), it is
+        mpcomm's tree run in C. From ``FRESH_PAGES_FROM`` bytes its temporary comes in fresh pages every call."""
         fresh = n * self.fresh_page_byte if n >= FRESH_PAGES_FROM else 0.0
+        polled = layout.num_nodes > 1 or (self.native_blocks_in_node and layout.ranks_per_core > 1)
+        if polled and self.native_polled == "binomial":
+            return fresh + self.tree(n, layout, self.alpha_native)
         if layout.num_nodes == 1:
             return fresh + self._native_scaled(lambda m: self.rhd(m, layout, self.alpha_native), n)
-        if self.native_across_nodes == "binomial":
-            return fresh + self.tree(n, layout, self.alpha_native)
         node = Layout(layout.ranks_per_node, (layout.ranks_per_node,))
         return (fresh + self._native_scaled(lambda m: self.tree(m, node, self.alpha_native), n)
                 + self._across(n, layout.num_nodes, 1, self.alpha_native))
