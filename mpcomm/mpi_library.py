@@ -67,17 +67,20 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # native moves 2-16 MiB all-reduces in 0.9x the time of mpcomm's rhd and ring; 1.0 keeps avg (a pass more) off
     # native where the ring, which divides in its last addition, is faster (openmpi.md). Across nodes, and on one
     # node where ranks share cores, native polls libnbc's in-place all-reduce: a binomial reduce and broadcast, not
-    # node-aware (cluster.md; at p = 4 on 2 cores it took 1.1-2x rhd's time from 256 KiB: dtype_op.md, "Stop 36"). On one node a step
-    # of mpcomm's own algorithms is priced at 10 us, not MPICH's 25 (which places MPICH's crossovers with its
-    # native): rhd's 8 B all-reduce takes 14-16 us for its two steps there, and at 25 auto kept avg on native at
-    # 512 KiB, 1.17-1.40x the ring and rhd (openmpi.md, "Stop 32"; across simulated nodes 10 us sent 4-16 KiB from
-    # native, 1.5-2.7x behind it). Its 4- and 8-byte integers are priced as its floats (not measured apart). Its
-    # reduce-scatter (blocking or not) took 5-9x mpcomm's ring from 2 MiB at p = 2, its non-blocking reduce (libnbc)
-    # 2.8-4.1x mpcomm's tree at 512 KiB-4 MiB (dtype_op.md, "Stop 33").
+    # node-aware (cluster.md; at p = 4 on 2 cores it took 1.1-2x rhd's time from 256 KiB: dtype_op.md, "Stop 36").
+    # On one node with a core per rank a step of mpcomm's own algorithms is priced at 10 us, not MPICH's 25 (which
+    # places MPICH's crossovers with its native): rhd's 8 B all-reduce takes 14-16 us for its two steps there, and at
+    # 25 auto kept avg on native at 512 KiB, 1.17-1.40x the ring and rhd (openmpi.md, "Stop 32"; across simulated
+    # nodes 10 us sent 4-16 KiB from native, 1.5-2.7x behind it). Its integers are priced as its floats: its int8
+    # took 0.9-1.5x float32's time per byte at p = 2, as mpcomm's ring and rhd did (MPICH's 2x for 1-byte integers,
+    # which it had carried, sent int8 to rhd at 64-512 KiB at p = 4 where native led: 1.2-3.3x; dtype_op.md,
+    # "Stop 36"). Its reduce-scatter (blocking or not) took 5-9x mpcomm's ring from 2 MiB at p = 2, its
+    # non-blocking reduce (libnbc) 2.8-4.1x mpcomm's tree at 512 KiB-4 MiB (dtype_op.md, "Stop 33").
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None),
                        cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"),
-                                   ("native_blocks_in_node", True), ("alpha_py_in_node", 10e-6), ("native_int_scale", ((1, 2.0), (2, 1.6))),
+                                   ("native_blocks_in_node", True), ("alpha_py_in_node", 10e-6),
+                                   ("native_int_scale", ()),
                                    ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).

@@ -379,10 +379,12 @@ def test_model_prices_each_op_and_dtype(layout):
     """float16/bfloat16 reductions of 1 MiB and more go through direct (the others get them widened to float32:
     twice the bytes and numpy's casts); native's float min/max cost what its sum does on one node (mpcomm's own MPI
     ops, no key passes) and a key pass each way more across nodes or without the ops (MPI's), its int8 more per
-    byte than its int32, its int32 less than float32 on one node; direct's all-reduce, priced as the ring, never
-    displaces another algorithm for any other dtype (float32 sum unchanged); its reduce-scatter, one exchange, does
-    from 3 ranks on one node (at p = 4 it was the fastest from 128 KiB: bench/results/dtype_op.md, "Stop 33")."""
+    byte than its int32, its int32 less than float32 on one node (MPICH's; Open MPI's integers go at its floats'
+    rate); direct's all-reduce, priced as the ring, never displaces another algorithm for any other dtype (float32
+    sum unchanged); its reduce-scatter, one exchange, does from 3 ranks on one node (at p = 4 it was the fastest
+    from 128 KiB: bench/results/dtype_op.md, "Stop 33")."""
     from mpcomm.buffers import BFLOAT16
+    from mpcomm.mpi_library import PROFILES
 
     everything = {op: tuple(algs) for op, algs in REGISTRY.items()}
     without_direct = {op: tuple(a for a in algs if a != "direct") for op, algs in REGISTRY.items()}
@@ -403,6 +405,10 @@ def test_model_prices_each_op_and_dtype(layout):
     int32_over_f32 = (model.call("allreduce", "native", 1 << 20, layout, np.dtype(np.int32), "sum")
                       / model.call("allreduce", "native", 1 << 20, layout, f32, "sum"))
     assert int32_over_f32 < 1 if layout.num_nodes == 1 else int32_over_f32 == 1  # (MPICH's shared memory only)
+    openmpi = CostModel.of_library(PROFILES["openmpi"]).for_layout(layout)  # (its integers go at its floats' rate)
+    assert {openmpi.call("allreduce", "native", 1 << 20, layout, np.dtype(d), "sum")
+            for d in (np.int8, np.int16, np.int32, np.int64, np.float32)} == \
+        {openmpi.call("allreduce", "native", 1 << 20, layout, f32, "sum")}
     for dtype in (f32, np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int8)):
         for op in ("sum", "max", "min", "prod"):
             for n in (8, 4096, 1 << 16, 1 << 20, 1 << 26):
