@@ -79,8 +79,7 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None),
                        cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"),
-                                   ("native_blocks_in_node", True), ("alpha_py_in_node", 10e-6),
-                                   ("native_int_scale", ()),
+                                   ("alpha_py_in_node", 10e-6), ("native_int_scale", ()),
                                    ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).

@@ -466,11 +466,12 @@ def test_native_polled_is_priced_as_the_librarys_algorithm():
     assert model.allreduce("native", n, nodes) < binomial.allreduce("native", n, nodes)
     assert binomial.allreduce("native", n, node) == model.allreduce("native", n, node)
     openmpi = CostModel.of_library(PROFILES["openmpi"])
-    assert (openmpi.native_polled, openmpi.native_blocks_in_node) == ("binomial", True)
-    mpich = CostModel.of_library(PROFILES["mpich"])
-    assert (mpich.native_polled, mpich.native_blocks_in_node) == ("node_aware", False)
+    blocking_everywhere = CostModel.of_library(replace(PROFILES["openmpi"], blocking_on_shared_cores=True))
+    assert (openmpi.native_polled, openmpi.native_polls_shared_cores) == ("binomial", True)
+    assert blocking_everywhere.native_polls_shared_cores is False
+    assert CostModel.of_library(PROFILES["mpich"]).native_polled == "node_aware"
     shared = Layout(4, (4,), ranks_per_core=2.0)
-    for library in (openmpi, mpich):
+    for library in (openmpi, blocking_everywhere, CostModel.of_library(PROFILES["mpich"])):
         alone, crowded = library.for_layout(node), library.for_layout(shared)
         assert alone.allreduce("native", n, node) == alone._native_scaled(
             lambda m: alone.rhd(m, node, alone.alpha_native), n)

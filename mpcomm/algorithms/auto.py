@@ -126,10 +126,9 @@ class CostModel:
     # Across nodes native polls the library's non-blocking all-reduce: MPICH's is node-aware; Open MPI's (libnbc)
     # runs an in-place one as a binomial reduce, then a binomial broadcast ("binomial"; bench/results/cluster.md).
     native_polled: str = "node_aware"
-    # On one node native makes the library's blocking all-reduce (its price above) only where every rank has a core
-    # of its own (mpi_library.Library.blocking_on_shared_cores); with ranks sharing cores it polls the non-blocking
-    # one (``native_polled``) there too.
-    native_blocks_in_node: bool = False
+    # On one node with ranks sharing cores native polls that non-blocking all-reduce too, unless the library's
+    # profile makes its blocking call there (mpi_library.Library.blocking_on_shared_cores; set by ``of_library``).
+    native_polls_shared_cores: bool = True
     overlap: bool = True
     # On one node the pipelined ring would overlap only where the library moved a message while the receiver
     # computes; MPICH's and Open MPI's shared memory move it inside the receiver's MPI calls (at p = 2 on 2 cores the
@@ -177,7 +176,8 @@ class CostModel:
     @classmethod
     def of_library(cls, profile: Library) -> "CostModel":
         """The model with an MPI library's own constants (its profile's ``cost_model``; the defaults are MPICH's)."""
-        return cls(native_min_max_op=profile.min_max_op, **dict(profile.cost_model))
+        return cls(native_min_max_op=profile.min_max_op, native_polls_shared_cores=not profile.blocking_on_shared_cores,
+                   **dict(profile.cost_model))
 
     def with_network(self, network: "topology.NetworkMeasurement") -> "CostModel":
         """This model with the measured latency and seconds per byte between nodes."""
@@ -397,10 +397,10 @@ class CostModel:
         go at the link's rate whoever sends them: on 2 x 2 simulated nodes at 1 Gbit/s native took hierarchical's
         time, the same bytes on each NIC, where the scale had priced it well above (bench/results/cluster.md).
         Where native polls a library's that is a binomial tree (``native_polled``: across nodes, and on one node
-        where ranks share cores and the library's blocking call is not made, ``native_blocks_in_node``), it is
-        mpcomm's tree run in C. From ``FRESH_PAGES_FROM`` bytes its temporary comes in fresh pages every call."""
+        where ranks share cores, ``native_polls_shared_cores``), it is mpcomm's tree run in C. From
+        ``FRESH_PAGES_FROM`` bytes its temporary comes in fresh pages every call."""
         fresh = n * self.fresh_page_byte if n >= FRESH_PAGES_FROM else 0.0
-        polled = layout.num_nodes > 1 or (self.native_blocks_in_node and layout.ranks_per_core > 1)
+        polled = layout.num_nodes > 1 or (self.native_polls_shared_cores and layout.ranks_per_core > 1)
         if polled and self.native_polled == "binomial":
             return fresh + self.tree(n, layout, self.alpha_native)
         if layout.num_nodes == 1:
