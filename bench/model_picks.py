@@ -17,18 +17,14 @@ import json
 import math
 import statistics
 
-import ml_dtypes
 import numpy as np
 
 from mpcomm.algorithms.auto import CostModel, Layout
+from mpcomm.bench.cli import DTYPES
 from mpcomm.mpi_library import PROFILES
 
 NOT_FIXED = ("auto", "mpi4py-raw")  # auto's own column and the raw MPI call are not candidates
 TARGET = 1.10
-
-
-def dtype_of(name: str) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 def median_times(paths: list[str]) -> tuple[str, int, dict]:
@@ -60,7 +56,7 @@ def main() -> None:
     ratios, misses = [], []
     for (dtype, op, size), times in sorted(cells.items()):
         nbytes = size // ranks if collective == "reduce_scatter" else size  # (the model prices the output's bytes)
-        pick = min(times, key=lambda a: model.call(collective, a, nbytes, layout, dtype_of(dtype), op))
+        pick = min(times, key=lambda a: model.call(collective, a, nbytes, layout, np.dtype(DTYPES[dtype]), op))
         ratio = times[pick] / min(times.values())
         ratios.append(ratio)
         if ratio > TARGET:
