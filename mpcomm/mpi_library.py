@@ -74,12 +74,15 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # nodes 10 us sent 4-16 KiB from native, 1.5-2.7x behind it). Its integers are priced as its floats: its int8
     # took 0.9-1.5x float32's time per byte at p = 2, as mpcomm's ring and rhd did (MPICH's 2x for 1-byte integers,
     # which it had carried, sent int8 to rhd at 64-512 KiB at p = 4 where native led: 1.2-3.3x; dtype_op.md,
-    # "Stop 36"). Its reduce-scatter (blocking or not) took 5-9x mpcomm's ring from 2 MiB at p = 2, its
+    # "Stop 36"). It copies a message between ranks of a node once, the receiver reading the sender's memory, so
+    # with ranks sharing cores a binomial tree's pairs need a core each, not two (``single_copy``: at p = 4 on 2
+    # cores its tree and libnbc's took 1.4-2.4x their p = 2 time, rhd 2.2-4.5x; dtype_op.md, "Stop 37").
+    # Its reduce-scatter (blocking or not) took 5-9x mpcomm's ring from 2 MiB at p = 2, its
     # non-blocking reduce (libnbc) 2.8-4.1x mpcomm's tree at 512 KiB-4 MiB (dtype_op.md, "Stop 33").
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None),
                        cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"),
-                                   ("alpha_py_in_node", 10e-6), ("native_int_scale", ()),
+                                   ("alpha_py_in_node", 10e-6), ("native_int_scale", ()), ("single_copy", True),
                                    ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).

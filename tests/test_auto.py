@@ -309,6 +309,29 @@ def test_ranks_sharing_cores_make_a_whole_call_r_times_as_long_on_one_node():
                 2 * alone.call("allreduce", algorithm, n, own, dtype, op), rel=1e-12), (algorithm, n, dtype, op)
 
 
+@pytest.mark.parametrize("p,r,rounds", [(4, 2.0, 2.0), (8, 4.0, 4.0)], ids=["p4-rpc2", "p8-rpc4"])
+def test_where_the_receiver_copies_a_trees_pairs_need_a_core_each_not_two(p, r, rounds):
+    """Where the library copies a message once, by the receiver (``single_copy``: Open MPI's profile, not MPICH's),
+    a binomial tree's round of p / (2 mask) sending pairs needs a core per pair: with ranks sharing cores its rounds
+    take what they take with a core per rank once each pair has a core (at p = 4 on 2 cores every round; at p = 8 on
+    2 cores the first round's 4 pairs share 2 cores: twice as long). Every other algorithm, and the tree where both
+    sides copy (MPICH), take r times as long."""
+    from mpcomm.mpi_library import PROFILES
+
+    assert CostModel.of_library(PROFILES["openmpi"]).single_copy
+    assert not CostModel.of_library(PROFILES["mpich"]).single_copy
+    once, twice = replace(CostModel(), cold_byte=0.0, single_copy=True), replace(CostModel(), cold_byte=0.0)
+    own, shared = Layout(p, (p,)), Layout(p, (p,), ranks_per_core=r)
+    for n in MODEL_SIZES:
+        alone = once.for_layout(own).tree(n, own)
+        log_p = math.log2(p)
+        assert once.for_layout(shared).tree(n, shared) == pytest.approx(alone * rounds / log_p, rel=1e-12), n
+        assert twice.for_layout(shared).tree(n, shared) == pytest.approx(r * alone, rel=1e-12), n
+        for algorithm in ("rhd", "ring", "direct"):
+            assert once.for_layout(shared).allreduce(algorithm, n, shared) == pytest.approx(
+                r * once.for_layout(own).allreduce(algorithm, n, own), rel=1e-12), (algorithm, n)
+
+
 def test_tuned_table_wins_over_the_model():
     """A table measured on the same layout decides where it has entries, even for the algorithm the model
     prices highest and on a host where ranks share cores; operations it does not cover fall back to the model."""

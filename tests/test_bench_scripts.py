@@ -165,7 +165,8 @@ def test_dtype_op_sweep_takes_the_median_of_repeated_runs(tmp_path, monkeypatch)
 
 def test_model_picks_judges_the_models_pick_by_the_median_time_of_the_runs(tmp_path):
     """``model_picks.py``: per cell, the model's pick among the algorithms the runs timed, judged by its median time
-    over the runs against the fastest one's (not auto's own column); runs of different collectives are refused."""
+    over the runs against the fastest one's (not auto's own column); with ``--held-out`` each run also judges the
+    other runs' median pick and the model's; runs of different collectives are refused."""
     def run(path: Path, native_us: float, collective: str = "allreduce") -> str:
         rows = [{"collective": collective, "ranks": 2, "dtype": "float32", "redop": "sum", "size": 8,
                  "algorithm": name, "time_us": us} for name, us in
@@ -179,6 +180,14 @@ def test_model_picks_judges_the_models_pick_by_the_median_time_of_the_runs(tmp_p
     assert out.returncode == 0, out.stderr
     assert "3 runs: 1 cells, 1 above 1.1, geometric mean 2.000, worst 2.00" in out.stdout, out.stdout
     assert "float32 sum 8: native 2.00" in out.stdout, out.stdout  # (8 B: the model's pick is native)
+    # Each run held out judges the others' median pick (ring, 10 us, in every case: native's medians are 25, 17.5,
+    # 12.5) and the model's (native): ring is 2x the best in run 0 only, native in runs 1 and 2
+    held = subprocess.run([*script, "--held-out", *runs], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert held.returncode == 0, held.stderr
+    assert "held out, each run judging: 3 cells; above 1.1: the measured pick (the other runs' median best) 1, " \
+        "the model's 2" in held.stdout, held.stdout
+    two = subprocess.run([*script, "--held-out", *runs[:2]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert two.returncode != 0 and "--held-out needs 3 runs or more" in two.stderr, two.stderr
     mixed = subprocess.run([*script, runs[0], run(tmp_path / "rs.json", 5.0, "reduce_scatter")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert mixed.returncode != 0 and "mix collectives or ranks" in mixed.stderr, mixed.stderr

@@ -142,6 +142,11 @@ class CostModel:
     cold_byte: float = 0.1e-9
     # A step of mpcomm's own algorithms on one node, where the library's profile measured it (None: alpha_py).
     alpha_py_in_node: float | None = None
+    # The library copies a message between ranks of a node once, the receiver reading the sender's memory (Open
+    # MPI's CMA), so a pair that sends and receives in turns needs one core, not two: with ranks sharing cores a
+    # binomial tree's rounds are not slowed while its pairs have a core each (``tree``). MPICH copies through
+    # shared memory on both sides.
+    single_copy: bool = False
     # The library's all-reduce takes a temporary as large as the message every call, and glibc maps one of
     # FRESH_PAGES_FROM bytes or more fresh each time (its largest mmap threshold): seconds per byte of faulting it
     # in (MPICH and Open MPI at p = 2 on one node, 32-64 MiB; openmpi.md, "Stop 32").
@@ -246,12 +251,16 @@ class CostModel:
         return total
 
     def tree(self, n: float, layout: Layout, alpha: float | None = None) -> float:
-        """Binomial reduce to rank 0 then binomial broadcast: every round moves the whole vector."""
-        total, mask = 0.0, 1
+        """Binomial reduce to rank 0 then binomial broadcast: every round moves the whole vector. Where messages
+        are copied once, by the receiver (``single_copy``), a round's p / (2 mask) pairs need a core each, not two:
+        with r ranks on each core (the terms r times their own: :meth:`for_layout`) a round within a node takes
+        max(1, r / (2 mask)) / r of that."""
+        total, mask, r = 0.0, 1, layout.ranks_per_core
         while mask < layout.size:
-            a, b = self._link(layout.num_nodes > 1 and mask >= layout.ranks_per_node,
-                              self.alpha_py if alpha is None else alpha)
-            total += 2 * (a + n * b) + self._reduce(n)
+            crosses = layout.num_nodes > 1 and mask >= layout.ranks_per_node
+            a, b = self._link(crosses, self.alpha_py if alpha is None else alpha)
+            cores = max(1.0, r / (2 * mask)) / r if self.single_copy and r > 1 and not crosses else 1.0
+            total += cores * (2 * (a + n * b) + self._reduce(n))
             mask <<= 1
         return total
 
