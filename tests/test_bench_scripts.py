@@ -135,6 +135,17 @@ def test_ddp_compression_tiny(tmp_path, engine):
     assert out.read_text().startswith(f"# {engine.upper()} gradient compression: mpcomm-train --engine {engine}")
 
 
+def test_cluster_auto_check_times_every_algorithm_on_the_dtype_and_op_asked():
+    """``cluster_auto_check.py --dtype --op``: a row per size, every algorithm timed, auto's choice for that dtype
+    and op named (bfloat16 max here)."""
+    out = _run("bench/cluster_auto_check.py", "--sizes", "8,64K", "--reps", "2", "--dtype", "bfloat16", "--op", "max")
+    assert "all-reduce of bfloat16 max, 2 ranks" in out, out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| 8 B", "| 64 KiB"))]
+    assert len(rows) == 4, out  # (each row printed as measured, then in the table)
+    from mpcomm.algorithms import ALLREDUCE
+    assert all(row[1 + len(ALLREDUCE)] in ALLREDUCE for row in rows), rows
+
+
 def test_ddp_auto_onehost_tiny():
     out = _run("bench/ddp_auto_onehost.py", "--steps", "3", "--repeats", "1", "--d-model", "8", "--d-hidden", "16")
     assert "auto/none over 1 repeats of 3 interleaved steps" in out and "auto chose ['exact']" in out, out

@@ -4,7 +4,6 @@ over ``MPI.COMM_WORLD``."""
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from datetime import timedelta
 
@@ -12,12 +11,7 @@ import torch.distributed as dist
 from conftest import WORLD, in_step
 
 import mpcomm.integrations.torch as mpt
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mpcomm.integrations.ports import free_port  # (below the ephemeral range: gloo's connections cannot take it)
 
 
 def init_default(backend: str, seconds: float = 60) -> None:
