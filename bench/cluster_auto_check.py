@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from mpcomm import Communicator
 from mpcomm.algorithms import ALLREDUCE
-from mpcomm.bench.cli import DTYPES
+from mpcomm.bench.cli import DTYPES, REDOPS
 from mpcomm.bench.report import human_bytes
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="write the markdown table here (rank 0)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--op", choices=("sum", "avg", "max", "min", "prod"), default="sum")
+    parser.add_argument("--op", choices=REDOPS, default="sum")
     args = parser.parse_args()
     comm = Communicator(MPI.COMM_WORLD)
     algorithms = list(ALLREDUCE)
