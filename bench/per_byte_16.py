@@ -1,35 +1,37 @@
-"""Time per byte of float16/bfloat16 sums against float32's, interleaved call loop by call loop in one job.
+"""Time per byte of float16/bfloat16 sums (or other dtypes') against float32's, interleaved call loop by call loop in
+one job.
 
-``mpiexec -n P python bench/per_byte_16.py [--sizes 1048576,...] [--calls 50] [--rounds 9] [--json FILE]``
+``mpiexec -n P python bench/per_byte_16.py [--dtype bfloat16,float16] [--sizes 1048576,...] [--calls 50]
+[--rounds 9] [--json FILE]``
 
-The issue's target (a 16-bit sum at most 1.5x float32's time for the same bytes from 1 MiB) compares cells that
-``mpcomm-bench`` times minutes apart, and this VM has slow spells of 2-4x in memory-bound loops that a sweep's
-cells fall in or not. Here, for each size, the contenders are timed round-robin, a loop each in turn: float32's
-ring, rhd and direct, and each 16-bit dtype's direct and auto, all on buffers of the same bytes (zeros: repeated
-sums stay finite). Reports the median loop, min-max as the spread, and each one's ratio to float32's fastest
-median in the same run.
+The issue's targets (a 16-bit sum at most 1.5x float32's time for the same bytes from 1 MiB; integers' at most 1.2x)
+compare cells that ``mpcomm-bench`` times minutes apart, and this VM has slow spells of 2-4x in memory-bound loops
+that a sweep's cells fall in or not. Here, for each size, the contenders are timed round-robin, a loop each in turn:
+float32's ring, rhd and direct, and each ``--dtype``'s direct and auto, all on buffers of the same bytes (zeros:
+repeated sums stay finite). Reports the median loop, min-max as the spread, and each one's ratio to float32's
+fastest median in the same run.
 """
 from __future__ import annotations
 
 import argparse
 
-import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 from small_messages import library_name, measure, print_rows, summarize, sweep_arguments, write_rows
 
 from mpcomm import Communicator
+from mpcomm.bench.cli import DTYPES
 
 SIZES = "1048576,2097152,8388608,33554432"
 FLOAT32_ALGORITHMS = ("ring", "rhd", "direct")
-SIXTEEN = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+SIXTEEN = "bfloat16,float16"
 
 
-def contenders(comm: Communicator, nbytes: int) -> dict:
+def contenders(comm: Communicator, nbytes: int, dtypes: list[np.dtype]) -> dict:
     wide = np.zeros(nbytes // 4, np.float32)
     calls = {f"float32 {a}": (lambda a=a: comm.allreduce(wide, algorithm=a)) for a in FLOAT32_ALGORITHMS}
-    for name, dtype in SIXTEEN.items():
-        short = np.zeros(nbytes // 2, dtype)
+    for dtype in dtypes:
+        short, name = np.zeros(nbytes // dtype.itemsize, dtype), str(dtype)
         for algorithm in ("direct", "auto"):
             calls[f"{name} {algorithm}"] = lambda short=short, algorithm=algorithm: comm.allreduce(
                 short, algorithm=algorithm)
@@ -38,13 +40,15 @@ def contenders(comm: Communicator, nbytes: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default=SIXTEEN, help=f"comma-separated, against float32 (default {SIXTEEN})")
     sweep_arguments(parser, SIZES, calls=50, rounds=9)
     args = parser.parse_args(argv)
+    dtypes = [np.dtype(DTYPES[name]) for name in args.dtype.split(",")]
     comm = Communicator(MPI.COMM_WORLD)
     rows = []
     for nbytes in (int(s) for s in args.sizes.split(",")):
         loop = max(3, min(args.calls, (256 << 20) // nbytes))
-        times = measure(comm.mpi, contenders(comm, nbytes), loop, args.rounds)
+        times = measure(comm.mpi, contenders(comm, nbytes, dtypes), loop, args.rounds)
         fastest = min(FLOAT32_ALGORITHMS, key=lambda a: float(np.median(times[f"float32 {a}"])))
         for row in summarize(times, f"float32 {fastest}"):
             rows.append({"bytes": nbytes, "calls": loop, **row})
