@@ -7,8 +7,8 @@ one job.
 The issue's targets (a 16-bit sum at most 1.5x float32's time for the same bytes from 1 MiB; integers' at most 1.2x)
 compare cells that ``mpcomm-bench`` times minutes apart, and this VM has slow spells of 2-4x in memory-bound loops
 that a sweep's cells fall in or not. Here, for each size, the contenders are timed round-robin, a loop each in turn:
-float32's ring, rhd and direct, and each ``--dtype``'s direct and auto, all on buffers of the same bytes (zeros:
-repeated sums stay finite). Reports the median loop, min-max as the spread, and each one's ratio to float32's
+float32's ring, rhd and direct, and each ``--dtype``'s direct and auto, all on the same bytes (zeros, viewed as
+each dtype: repeated sums stay zero, and no contender finds them warmer in cache than another). Reports the median loop, min-max as the spread, and each one's ratio to float32's
 fastest median in the same run.
 """
 from __future__ import annotations
@@ -28,10 +28,14 @@ SIXTEEN = "bfloat16,float16"
 
 
 def contenders(comm: Communicator, nbytes: int, dtypes: list[np.dtype]) -> dict:
-    wide = np.zeros(nbytes // 4, np.float32)
+    """Every contender on the same zeroed bytes, viewed as its dtype (zero in every one of them): none finds its
+    buffer warmer in cache than another's (with a buffer each, the float32 ones, run back to back on theirs, read
+    from cache at 8 MiB what the others read from memory)."""
+    memory = np.zeros(nbytes, np.uint8)
+    wide = memory.view(np.float32)
     calls = {f"float32 {a}": (lambda a=a: comm.allreduce(wide, algorithm=a)) for a in FLOAT32_ALGORITHMS}
     for dtype in dtypes:
-        short, name = np.zeros(nbytes // dtype.itemsize, dtype), str(dtype)
+        short, name = memory.view(dtype), str(dtype)
         for algorithm in ("direct", "auto"):
             calls[f"{name} {algorithm}"] = lambda short=short, algorithm=algorithm: comm.allreduce(
                 short, algorithm=algorithm)
