@@ -8,8 +8,8 @@ The issue's targets (a 16-bit sum at most 1.5x float32's time for the same bytes
 compare cells that ``mpcomm-bench`` times minutes apart, and this VM has slow spells of 2-4x in memory-bound loops
 that a sweep's cells fall in or not. Here, for each size, the contenders are timed round-robin, a loop each in turn:
 float32's ring, rhd and direct, and each ``--dtype``'s direct and auto, all on the same bytes (zeros, viewed as
-each dtype: repeated sums stay zero, and no contender finds them warmer in cache than another). Reports the median loop, min-max as the spread, and each one's ratio to float32's
-fastest median in the same run.
+each dtype: repeated sums stay zero, and no contender finds them warmer in cache than another). Reports the median
+loop, min-max as the spread, and each one's ratio to float32's fastest median in the same run.
 """
 from __future__ import annotations
 
