@@ -42,17 +42,25 @@ def contenders(comm: Communicator, nbytes: int, dtypes: list[np.dtype]) -> dict:
     return calls
 
 
+def dtype_list(text: str) -> list[np.dtype]:
+    """``--dtype``'s comma-separated names (mpcomm-bench's), as dtypes; an unknown one is argparse's error."""
+    for name in text.split(","):
+        if name not in DTYPES:
+            raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+    return [np.dtype(DTYPES[name]) for name in text.split(",")]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default=SIXTEEN, help=f"comma-separated, against float32 (default {SIXTEEN})")
+    parser.add_argument("--dtype", type=dtype_list, default=SIXTEEN,
+                        help=f"comma-separated, against float32 (default {SIXTEEN})")
     sweep_arguments(parser, SIZES, calls=50, rounds=9)
     args = parser.parse_args(argv)
-    dtypes = [np.dtype(DTYPES[name]) for name in args.dtype.split(",")]
     comm = Communicator(MPI.COMM_WORLD)
     rows = []
     for nbytes in (int(s) for s in args.sizes.split(",")):
         loop = max(3, min(args.calls, (256 << 20) // nbytes))
-        times = measure(comm.mpi, contenders(comm, nbytes, dtypes), loop, args.rounds)
+        times = measure(comm.mpi, contenders(comm, nbytes, args.dtype), loop, args.rounds)
         fastest = min(FLOAT32_ALGORITHMS, key=lambda a: float(np.median(times[f"float32 {a}"])))
         for row in summarize(times, f"float32 {fastest}"):
             rows.append({"bytes": nbytes, "calls": loop, **row})

@@ -15,6 +15,8 @@ import pytest
 
 from conftest import mpiexec_path, serial_only
 
+from mpcomm.bench.cli import DTYPES
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = serial_only
 
@@ -110,6 +112,18 @@ def test_per_byte_16_tiny(tmp_path):
     for size in (4096, 8192):
         assert min(r["ratio"] for r in rows if r["bytes"] == size and r["contender"].startswith("float32")) == 1.0
     assert "x f32" in out, out
+
+
+def test_per_byte_16_takes_any_dtypes_and_refuses_an_unknown_one_in_a_line():
+    """``--dtype``: integers beside float32 (one row each per algorithm); a name it does not know is argparse's one
+    line and exit 2, before any rank starts."""
+    out = _run("bench/per_byte_16.py", "--dtype", "int8,int64", "--sizes", "4096", "--rounds", "1", "--calls", "2")
+    assert all(f"{name} {a}" in out for name in ("int8", "int64") for a in ("direct", "auto")), out
+    bad = subprocess.run([sys.executable, "bench/per_byte_16.py", "--dtype", "int8,float128x"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].endswith("--dtype: unknown dtype 'float128x'; choose from "
+                                                        + ", ".join(DTYPES)), bad.stderr
 
 
 def test_pipeline_idle_tiny():
