@@ -5,7 +5,8 @@
 For each size (8 B .. 4 KiB) and each contender — raw ``MPI.Comm.Allreduce``, raw ``Iallreduce`` + ``Test``
 loop (what a bounded wait costs in MPI alone), ``comm.allreduce`` with ``auto``/``native``/``tree`` (and, marked
 ``no trace``, on a Communicator with the flight recorder off: the recorder's cost is the difference; and where
-native's plan makes the call in one C call, that C call alone and ``run_express``, which adds the lock, the
+native's plan makes the call in one C call, that C call alone, the plan's lookup and that call with nothing else (what
+any dispatcher that finds its plan in Python costs at least), and ``run_express``, which adds the lock, the
 recorder's entry and the stats: the rest is ``Communicator.allreduce``'s plan lookup) — times a
 loop of ``--calls`` calls after a barrier, round-robin over the contenders, ``--rounds`` times (so load drift
 hits all alike); a loop's time is the maximum over ranks. Reports the median loop (and min/max as the spread)
@@ -54,7 +55,14 @@ def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.nda
             if outcome is not None:  # (not done within its tests: what run_express does then, without the rest)
                 EXPRESS[plan.algorithm][1](comm._sync, buf, plan.rop, outcome)
 
+        def looked_up_call():  # the floor of a dispatcher that finds the plan in Python and keeps no books
+            found = comm._planned_allreduce(buf, "sum", "native")
+            outcome = found.express(buf)
+            if outcome is not None:
+                EXPRESS[found.algorithm][1](comm._sync, buf, found.rop, outcome)
+
         contenders["native: express C call"] = express_call
+        contenders["native: plan lookup + C call"] = looked_up_call
         contenders["native: run_express"] = lambda: comm.run_express(plan, buf)
     return contenders
 

@@ -118,18 +118,20 @@ class Communicator(Dispatcher):
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size}, node {self.node_rank}/{self.node_size})"
 
-    def split(self, color: int, key: int | None = None) -> "Communicator | None":
-        """A Communicator over ``MPI.Comm.Split(color, key)``, with this one's settings, or None on a rank whose
-        ``color`` is ``MPI.UNDEFINED`` (it joins no group). Collective; the ranks first meet with the deadline
-        (MPI_Comm_split has no non-blocking form), so a rank that never comes is a CommTimeoutError, not a hang
-        inside the split. Its ``free()`` frees the MPI communicator made here too."""
+    def split(self, color: int, key: int | None = None, timeout: float | None = None) -> "Communicator | None":
+        """A Communicator over ``MPI.Comm.Split(color, key)``, with this one's settings (``timeout``: its own
+        deadline in seconds, if given), or None on a rank whose ``color`` is ``MPI.UNDEFINED`` (it joins no group).
+        Collective; the ranks first meet with the deadline (MPI_Comm_split has no non-blocking form), so a rank that
+        never comes is a CommTimeoutError, not a hang inside the split. Its ``free()`` frees the MPI communicator
+        made here too."""
         _check_split(color, key)
         self.run(_SPLIT)
         sub = created(lambda: self._base.Split(color, self.rank if key is None else key), "split", self.rank)
         if sub == MPI.COMM_NULL:
             return None
         try:
-            made = Communicator(sub, timeout=self.timeout, validate=self.validate, ranks_per_node=self.ranks_per_node)
+            made = Communicator(sub, timeout=self.timeout if timeout is None else timeout, validate=self.validate,
+                                ranks_per_node=self.ranks_per_node)
         except MpcommError as exc:
             if not isinstance(exc, CommTimeoutError):
                 sub.Free()

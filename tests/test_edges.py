@@ -164,6 +164,19 @@ def test_split_with_undefined_color_gives_none(comm):
         mine.free()
 
 
+def test_split_takes_a_timeout_of_its_own(comm):
+    """``timeout``: the new Communicator's deadline (torch's split_group passes its child's); default the parent's."""
+    given, inherited = in_step(lambda: comm.split(0, timeout=7.5)), in_step(lambda: comm.split(0))
+    assert (given.timeout, inherited.timeout) == (7.5, comm.timeout)
+    run_gathered(lambda: (given.free(), inherited.free()))
+
+
+def test_split_refuses_a_bad_timeout_on_every_rank(comm):
+    outcomes = errors_of(lambda: comm.split(0, timeout=-1.0 if RANK == 0 else 5.0))
+    for name, message, _ in outcomes:
+        assert name == "ConfigError" and "timeout" in message, outcomes
+
+
 @pytest.mark.parametrize("color", [-5, 1.5, "a"])
 def test_split_refuses_a_bad_color(comm, color):
     outcomes = errors_of(lambda: comm.split(color))

@@ -24,13 +24,17 @@ dist = pytest.importorskip("torch.distributed")
 
 import mpcomm.integrations.torch as mpt  # noqa: E402
 from mpcomm.integrations.ports import free_port  # noqa: E402  (below the ephemeral range: no clash with gloo)
-from torch_backend.groups import on_backend  # noqa: E402
+from torch_backend.groups import backend_of, on_backend  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
 pytestmark = [pytest.mark.torch, pytest.mark.mpi]
 multi = pytest.mark.skipif(SIZE < 2, reason="needs several ranks")
 # torch 2.13's dist.monitored_barrier refuses every backend not named "gloo"; 2.14's asks for a CPU backend.
 MONITORED_BARRIER_BY_NAME = torch.torch_version.TorchVersion(torch.__version__) < "2.14"
+# torch 2.15's dist.split_group splits a CPU group whose backend supports splitting; 2.13's and 2.14's split only a
+# group bound to an accelerator.
+SPLITS_CPU_GROUPS = torch.torch_version.TorchVersion(torch.__version__) >= "2.15"
+no_accelerator = pytest.mark.skipif(torch.accelerator.is_available(), reason="torch splits the accelerator's backend")
 
 
 # ============================================================================ the binding, against gloo's
@@ -82,14 +86,85 @@ def _split_group_error() -> str:
     return "split"
 
 
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="torch splits the accelerator's backend there")
+@no_accelerator
+@pytest.mark.skipif(SPLITS_CPU_GROUPS, reason="torch 2.15 on splits CPU groups (test_split_group_as_on_gloo)")
 def test_split_group_refused_as_on_gloo():
-    """``dist.split_group`` splits only a default group bound to a device (``bound_device_id``, which
-    ``init_process_group(device_id=...)`` sets for an accelerator only) and, without an accelerator, refuses before
-    it asks any CPU backend (distributed_c10d.py, torch 2.13.0 lines 5570 and 5596-5607, 2.14.1 lines 6607 and
-    6633-6644): a CPU backend cannot be split by torch, so mpcomm's refusal must be gloo's."""
+    """Before torch 2.15 ``dist.split_group`` splits only a default group bound to a device (``bound_device_id``,
+    which ``init_process_group(device_id=...)`` sets for an accelerator only) and, without an accelerator, refuses
+    before it asks any CPU backend (distributed_c10d.py, torch 2.13.0 lines 5570 and 5596-5607, 2.14.1 lines 6607
+    and 6633-6644): a CPU backend cannot be split by torch, so mpcomm's refusal must be gloo's."""
     on_gloo, on_mpcomm = on_backend("gloo", _split_group_error), on_backend("mpcomm", _split_group_error)
     assert on_mpcomm == on_gloo and "not safe to split" in on_gloo
+
+
+def _split_in_two() -> dict:
+    """``dist.split_group`` into the even and the odd ranks, each list in descending order (a child's rank is the
+    position in its list), with a timeout of its own; then what this rank's child group does."""
+    halves = [list(range(first, SIZE, 2))[::-1] for first in (0, 1) if first < SIZE]
+    child = dist.split_group(split_ranks=halves, timeout=timedelta(seconds=37))
+    summed, sent = torch.tensor([float(RANK), 1.0]), torch.tensor([float(RANK)])
+    dist.all_reduce(summed, group=child)
+    dist.broadcast(sent, group_src=0, group=child)
+    gathered = [torch.zeros(1) for _ in range(dist.get_world_size(child))]
+    dist.all_gather(gathered, torch.tensor([float(RANK)]), group=child)
+    return {"rank": dist.get_rank(child), "size": dist.get_world_size(child),
+            "global ranks": dist.get_process_group_ranks(child), "sum": summed.tolist(),
+            "from child rank 0": sent.item(), "gathered": [t.item() for t in gathered]}
+
+
+def _split_off_rank_0() -> object:
+    """``dist.split_group`` of rank 0 alone: every other rank gets no group."""
+    child = dist.split_group(split_ranks=[[0]])
+    if child is dist.GroupMember.NON_GROUP_MEMBER:
+        return "not a member"
+    summed = torch.tensor([5.0])
+    dist.all_reduce(summed, group=child)
+    return (dist.get_world_size(child), summed.item())
+
+
+@no_accelerator
+@pytest.mark.skipif(not SPLITS_CPU_GROUPS, reason="torch splits CPU groups from 2.15 (test_split_group_refused_...)")
+def test_split_group_as_on_gloo():
+    """torch 2.15's ``dist.split_group`` of a CPU group, against gloo's and against the ranks' arithmetic: the
+    child's ranks in the order given, collectives over the child alone, non-members left out."""
+    mine = list(range(RANK % 2, SIZE, 2))[::-1]
+    expected = {"rank": mine.index(RANK), "size": len(mine), "global ranks": mine,
+                "sum": [float(sum(mine)), float(len(mine))], "from child rank 0": float(mine[0]),
+                "gathered": [float(r) for r in mine]}
+    assert on_backend("mpcomm", _split_in_two) == on_backend("gloo", _split_in_two) == expected
+    alone = (1, 5.0) if RANK == 0 else "not a member"
+    assert on_backend("mpcomm", _split_off_rank_0) == on_backend("gloo", _split_off_rank_0) == alone
+
+
+def _split_timeout() -> float:
+    child = dist.split_group(split_ranks=[list(range(SIZE))], timeout=timedelta(seconds=37))
+    return backend_of(child).comm.timeout
+
+
+@no_accelerator
+@pytest.mark.skipif(not SPLITS_CPU_GROUPS, reason="torch splits CPU groups from 2.15")
+def test_split_group_child_takes_its_timeout():
+    assert on_backend("mpcomm", _split_timeout) == 37.0
+
+
+def _overlapping_split() -> str:
+    try:
+        dist.split_group(split_ranks=[[0, 1], [1, 2]])  # rank 1 takes the first, rank 2 joins [1, 2] alone
+    except ValueError as exc:
+        return str(exc)
+    return "split"
+
+
+@no_accelerator
+@pytest.mark.skipif(not SPLITS_CPU_GROUPS or SIZE != 3, reason="torch splits CPU groups from 2.15; 3 ranks")
+def test_split_group_with_overlapping_ranks_is_a_value_error_where_they_differ():
+    """torch checks each split's ranks but not that the splits are disjoint; a rank whose child group is not the
+    ranks it was given gets one clear error (no hang), the others their group."""
+    said = on_backend("mpcomm", _overlapping_split)
+    if RANK == 2:
+        assert "split_group: rank 2 was given ranks [1, 2]" in said and "must not overlap" in said, said
+    else:
+        assert said == "split"
 
 
 # ============================================================================ point to point

@@ -204,6 +204,37 @@ class PyBackendBase : public BackendBase {
   const std::string getBackendName() const override {
     PYBIND11_OVERRIDE(std::string, BackendBase, getBackendName);
   }
+
+  // dist.split_group (on a CPU group from torch 2.15): torch asks supports_splitting, then the options the child
+  // starts from, then calls split on every rank of this group; the Python class's split() makes the child (None,
+  // where this rank is not in `ranks`).
+  bool supportsSplitting() const override {
+    py::gil_scoped_acquire gil;
+    return static_cast<bool>(py::get_override(static_cast<const BackendBase*>(this), "split"));
+  }
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    py::gil_scoped_acquire gil;
+    py::function override = py::get_override(static_cast<const BackendBase*>(this), "timeout_seconds");
+    if (!override) {
+      return Backend::getBackendOptions();
+    }
+    auto milliseconds = static_cast<int64_t>(override().cast<double>() * 1000.0);
+    return c10::make_intrusive<Options>(getBackendName(), std::chrono::milliseconds(milliseconds));
+  }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override {
+    py::gil_scoped_acquire gil;
+    py::function override = py::get_override(static_cast<const BackendBase*>(this), "split");
+    if (!override) {
+      return Backend::split(store, ranks, opts);
+    }
+    py::object child = override(ranks, opts->timeout.count() / 1000.0, opts->group_name);
+    if (child.is_none()) {
+      return c10::intrusive_ptr<c10d::Backend>();
+    }
+    // (the child's Python object is kept alive by its C++ one, as every BackendBase is: keep_alive)
+    return c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(child.cast<BackendBase*>());
+  }
   void abort() override {
     PYBIND11_OVERRIDE(void, BackendBase, abort);
   }

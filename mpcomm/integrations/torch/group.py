@@ -3,10 +3,10 @@
 torch builds each process group itself and registers this Backend with it for ``cpu``
 (``_new_process_group_helper``), as it does gloo: ``group._get_backend(cpu)``, ``group._device_types``,
 ``"cpu:mpcomm,cuda:nccl"`` and the dispatcher's CPU kernels (``dist.all_reduce``, DDP's reducer, functional
-collectives, DTensor) all reach these methods. The class derives from torch's Python-subclassable Backend where torch
-has one (2.14 on) and from ``backend_base.cpp`` where it has not (``base.py`` chooses); the methods take torch's
-Backend names either way. Collectives go through the Backend's :class:`~.lane.Lane` (issue order, synchronous calls
-inline); sends and receives use mpcomm's point-to-point directly.
+collectives, DTensor) all reach these methods, and ``dist.split_group`` its :meth:`~BackendMpcomm.split`. The class
+derives from ``backend_base.cpp``'s c10d Backend (``base.py``), whose methods take torch 2.14's Python names.
+Collectives go through the Backend's :class:`~.lane.Lane` (issue order, synchronous calls inline); sends and
+receives use mpcomm's point-to-point directly.
 
 The class is assembled from what it does: this module holds the group (running calls in issue order, the
 gathers, reduce-scatters and all-to-alls, barriers, point-to-point, teardown); the all-reduce paths are
@@ -76,10 +76,14 @@ class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):  # type: ignor
 
     # ------------------------------------------------------------------ running
     def _issue(self, operation: str, body: Callable[[], None], result, opts) -> dist.Work:
-        """Run ``body`` in issue order: inline when torch waits at once (``opts.asyncOp`` false) and nothing is
-        pending, else queued for the lane's worker. A synchronous call raises its error itself."""
+        """Run the collective ``body`` in issue order: inline when torch waits at once (``opts.asyncOp`` false) and
+        nothing is pending, else queued for the lane's worker. A synchronous call raises its error itself."""
         self._sequence += 1
-        synchronous = opts is not None and not opts.asyncOp
+        return self._in_order(operation, body, result, synchronous=opts is not None and not opts.asyncOp)
+
+    def _in_order(self, operation: str, body: Callable[[], None], result, synchronous: bool) -> dist.Work:
+        """``body`` after every call issued before it: inline where ``synchronous`` and nothing is pending, else
+        queued for the lane's worker (and then waited for, where ``synchronous``)."""
         if synchronous and self._lane.enter():
             self._run_here(operation, body)
             return done_work(result)
@@ -358,6 +362,40 @@ class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):  # type: ignor
         first = _MONITOR_TAG + (2 * self._monitor_calls) % (_MONITOR_TAGS - 1)
         self._monitor_calls += 1
         return first, first + 1
+
+    # ------------------------------------------------------------------ dist.split_group
+    def timeout_seconds(self) -> float:
+        """This group's deadline in seconds: the timeout of the options ``dist.split_group`` starts a child from."""
+        return self.comm.timeout
+
+    def split(self, ranks: list[int], timeout: float, name: str) -> "BackendMpcomm | None":
+        """The backend of the child group of ``dist.split_group`` that holds this rank (torch 2.15 on, for a CPU
+        group; gloo's ``split``): ``ranks`` are this group's ranks in the child's order, ``timeout`` the child's
+        deadline in seconds; None where this rank is not in ``ranks``. torch calls it on every rank of this group;
+        it runs after the calls issued before it."""
+        made: list[Communicator | None] = []
+        self._in_order("split_group", lambda: made.append(self._split_communicator(ranks, timeout)), None,
+                       synchronous=True)
+        return None if made[0] is None else BackendMpcomm(made[0], self.algorithm, name=name)
+
+    def _split_communicator(self, ranks: list[int], timeout: float) -> Communicator | None:
+        """This group's ``ranks``, in that order, as a Communicator of their own (``Communicator.split`` over this
+        group, under the deadline); its members then check that each was given the same ranks (a ValueError on
+        every member where not: the split ranks of one call must not overlap). None where this rank is not in
+        ``ranks``."""
+        rank = self.comm.rank
+        member = rank in ranks
+        child = self.comm.split(min(ranks) if member else MPI.UNDEFINED, ranks.index(rank) if member else 0,
+                                timeout=timeout if timeout > 0 else None)
+        if child is None:
+            return None
+        given = child.allgather_object(list(ranks), "split_group")
+        if len(given) != len(ranks) or any(other != given[0] for other in given):
+            child.free()
+            raise ValueError(f"mpcomm backend: split_group: rank {rank} was given ranks {list(ranks)}, but the "
+                             f"child group it joined has the {len(given)} ranks given {given} (in the child's "
+                             "order): the split ranks must not overlap")
+        return child
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensors, dstRank: int, tag: int = 0):
