@@ -62,7 +62,7 @@ def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.nda
                 EXPRESS[found.algorithm][1](comm._sync, buf, found.rop, outcome)
 
         contenders["native: express C call"] = express_call
-        contenders["native: plan lookup + C call"] = looked_up_call
+        contenders["native: lookup + C call"] = looked_up_call
         contenders["native: run_express"] = lambda: comm.run_express(plan, buf)
     return contenders
 
