@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.mpcomm-installed
 MPI_TIMEOUT ?= 900
 RANKS ?= 4
 
-.PHONY: install run typecheck test test-serial test-mpi test-torch test-torch-version test-cluster test-cluster-openmpi test-openmpi test-torch-openmpi test-torch-openmpi-run bench soak clean
+.PHONY: install run typecheck test test-serial test-mpi test-torch test-torch-version test-cluster test-cluster-openmpi test-openmpi test-torch-openmpi test-torch-openmpi-run test-python bench soak clean
 
 EXTRAS  ?= test,plot
 
@@ -160,5 +160,34 @@ test-torch-openmpi-run: $(OMPI_STAMP)
 	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_PY) -m pytest -q --with-mpi -m torch tests
 	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec -n 2 $(OMPI_PY) -m pytest -q --with-mpi -m "mpi and torch" tests
 
+# The suite on another Python and other releases of the dependencies, on mpcomm installed from its wheel as a user's
+# `pip install` gets it (the other targets run the editable install, which reads every file from the checkout).
+# By hand, not in CI (docs/testing.md says what last passed where): e.g. the newest releases on Python 3.13,
+#     make test-python PYTHON=/root/.pyenv/versions/3.13.0/bin/python3.13
+# and the oldest releases pyproject.toml admits, on the oldest Python it admits (mpi4py 4.0 has no wheel: pip
+# builds it with the mpich wheel's mpicc, ~30 min on 2 cores):
+#     make test-python PYTHON=/root/.pyenv/versions/3.10.13/bin/python3.10 PYTHON_DEPS="mpich==5.0.2 numpy==1.24.4 \
+#         mpi4py==4.0.0 ml_dtypes==0.3.0 pytest==7.0.0 pytest-mpi==0.6 jsonschema==4.0.1"
+# The wheel is built from a copy of the tracked files (a build in the checkout reuses what earlier ones left), and
+# the tests run from inside the venv's folder, so that `import mpcomm` finds the installed package.
+PYTHON      ?= python3
+PYTHON_DEPS ?= mpich numpy mpi4py ml_dtypes pytest pytest-mpi jsonschema
+PYTHON_VENV ?= .venv-python
+PYTHON_RANKS ?= 2 3
+test-python:
+	rm -rf $(PYTHON_VENV) && $(PYTHON) -m venv $(PYTHON_VENV)
+	$(PYTHON_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PYTHON_VENV)/bin/python -m pip install -q $(filter mpich%,$(PYTHON_DEPS))
+	PATH=$(abspath $(PYTHON_VENV))/bin:$$PATH $(PYTHON_VENV)/bin/python -m pip install -q $(filter-out mpich%,$(PYTHON_DEPS))
+	mkdir $(PYTHON_VENV)/source && git ls-files -z mpcomm pyproject.toml README.md | xargs -0 cp --parents -t $(PYTHON_VENV)/source
+	$(PYTHON_VENV)/bin/python -m pip install -q --no-deps $(PYTHON_VENV)/source
+	cd $(PYTHON_VENV) && bin/python -m mpcomm.info && bin/python -W error -c "import mpcomm, mpcomm.kernels as k, \
+		mpcomm.native_calls as n; assert 'site-packages' in mpcomm.__file__, mpcomm.__file__; k.build(); n.build()"
+	cd $(PYTHON_VENV) && timeout $(MPI_TIMEOUT) bin/python -m pytest -q --with-mpi $(CURDIR)/tests
+	for n in $(PYTHON_RANKS); do \
+		echo "== $(PYTHON): mpiexec -n $$n"; \
+		(cd $(PYTHON_VENV) && timeout $(MPI_TIMEOUT) bin/mpiexec -n $$n bin/python -m pytest -q --with-mpi -m mpi $(CURDIR)/tests) || exit 1; \
+	done
+
 clean:
-	rm -rf $(VENV) $(OMPI_VENV) .venv-ompi-torch .venv-torch-* *.egg-info
+	rm -rf $(VENV) $(OMPI_VENV) .venv-ompi-torch .venv-torch-* $(PYTHON_VENV) *.egg-info

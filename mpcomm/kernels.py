@@ -115,11 +115,17 @@ def extension(path: str, name: str = "mpcomm._kernels"):
     return module
 
 
+def read_source(path: str) -> str:
+    """The C text of ``path`` (a source installed beside this module)."""
+    with open(path, encoding="utf-8") as file:
+        return file.read()
+
+
 def build(source: str | None = None, directory: str | None = None, flags: Sequence[str] = (),
           name: str = "kernels") -> str:
     """Compile ``source`` (C text; default ``kernels.c``) unless a build of it is cached (``<name>-<hash>.so``);
     the library's path. ``flags`` come after the source (libraries to link: the linker may drop those before it)."""
-    text = open(SOURCE).read() if source is None else source
+    text = read_source(SOURCE) if source is None else source
     compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     options = [*FLAGS, *_vector_flags(), *_python_flags()]
     key = hashlib.sha256("\0".join([text, *compiler, *options, *flags, platform.machine(), _cpu_flags()]).encode())

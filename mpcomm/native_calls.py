@@ -49,7 +49,7 @@ def build():
     """Compile (or take the cached build of) the extension and import it; raises with the reason when it cannot."""
     library = loaded_path()
     flags = [f"-I{include_directory(library)}", *link_flags(library)]
-    module = kernels.extension(kernels.build(open(SOURCE).read(), flags=flags, name="native_calls"), MODULE)
+    module = kernels.extension(kernels.build(kernels.read_source(SOURCE), flags=flags, name="native_calls"), MODULE)
     if module is None:
         raise RuntimeError("built without Python's headers")
     check_built_for(module.library_version())

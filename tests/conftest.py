@@ -76,7 +76,7 @@ def pytest_report_header(config) -> list[str]:
 def pytest_sessionstart(session) -> None:
     """With -q pytest hides report headers; say which MPI this log comes from anyway (rank 0 only)."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and session.config.get_verbosity() < 0 and WORLD.Get_rank() == 0:
+    if reporter is not None and session.config.option.verbose < 0 and WORLD.Get_rank() == 0:
         reporter.write_line(_header_line())
 
 

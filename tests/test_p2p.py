@@ -322,7 +322,7 @@ BAD_P2P = {  # name -> (call on comm c, words)
     "broadcast-root-true": (lambda c: c.broadcast(np.ones(2), root=True), "root True"),
     "reduce-root-true": (lambda c: c.reduce(np.ones(2), np.ones(2), root=True), "root True"),
     "gather-root-true": (lambda c: c.gather(np.ones(2), np.ones(2 * P), root=True), "root True"),
-    "scatter-root-true": (lambda c: c.scatter(np.ones(2 * P), np.ones(2), root=np.True_), "root np.True_"),
+    "scatter-root-true": (lambda c: c.scatter(np.ones(2 * P), np.ones(2), root=np.True_), f"root {np.True_!r}"),
     "broadcast-root-float": (lambda c: c.broadcast(np.ones(2), root=0.0), "root 0.0"),
 }
 
