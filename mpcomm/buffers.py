@@ -182,8 +182,9 @@ def as_output(obj: Any, operation: str):
     """Array view of an output buffer; ValueError if it cannot be written."""
     array = as_array(obj, operation)
     if not getattr(array.flags, "writeable", True):  # CuPy arrays are always writeable
-        imported = " (numpy before 2.2.5 imports every DLPack array read-only: pass it by the buffer protocol, or " \
-            "upgrade numpy)" if not isinstance(obj, np.ndarray) and hasattr(obj, "__dlpack__") else ""
+        imported = " (numpy before 2.2.5 imports every DLPack array read-only, later releases those of exporters of " \
+            "the unversioned protocol: pass it by the buffer protocol)" \
+            if not isinstance(obj, np.ndarray) and hasattr(obj, "__dlpack__") else ""
         raise ValueError(f"{operation}: output buffer is read-only (shape {array.shape}, dtype {array.dtype})"
                          f"{imported}")
     return array

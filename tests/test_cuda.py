@@ -191,6 +191,26 @@ def test_dlpack_object_is_zero_copy():
             as_output(obj, "allreduce")
 
 
+class UnversionedDLPack(DLPackOnly):
+    """Exports the unversioned (pre-1.0) DLPack capsule, which numpy imports read-only on every release."""
+
+    def __dlpack__(self, **kwargs):
+        try:
+            return self._array.__dlpack__(max_version=None)
+        except TypeError:  # (numpy before 2.1 exports only that one)
+            return self._array.__dlpack__()
+
+
+def test_a_read_only_dlpack_output_says_why():
+    data = np.arange(6, dtype=np.float32)
+    with pytest.raises(ValueError, match=r"allreduce: output buffer is read-only .*numpy before 2\.2\.5 imports every "
+                       r"DLPack array read-only, later releases those of exporters of the unversioned protocol"):
+        as_output(UnversionedDLPack(data), "allreduce")
+    data.flags.writeable = False  # a read-only numpy array: no word of DLPack
+    with pytest.raises(ValueError, match=r"allreduce: output buffer is read-only \(shape \(6,\), dtype float32\)$"):
+        as_output(data, "allreduce")
+
+
 @pytest.mark.torch
 def test_torch_cpu_tensor_is_zero_copy():
     torch = pytest.importorskip("torch")
