@@ -110,7 +110,7 @@ soak: $(STAMP)
 # whole suite at 2/3/4: by hand, the default).
 # The serial pass runs the flight recorder's hang jobs (tests/test_trace_hangs.py, p = 2..4: ~100 s) and the
 # timeline's exit job under Open MPI's mpiexec; the other tests that launch mpiexec were written for MPICH's and
-# skip here (conftest.UNDER_MPIEXEC).
+# skip here (conftest.serial_only).
 # Its mpiexec (PRRTE) refuses to run as root without the OMPI_ALLOW_* pair (CI containers run as root) and more
 # ranks than cores without :oversubscribe (3 and 4 ranks on 2 cores).
 OMPI_VENV  ?= .venv-ompi
@@ -123,10 +123,8 @@ OMPI_LIBRARY_TESTS ?= tests/test_collectives.py tests/test_native_wait.py tests/
 	tests/test_work.py
 OMPI_PY    := $(OMPI_VENV)/bin/python
 OMPI_STAMP := $(OMPI_VENV)/.mpcomm-installed
-OMPI_ENV   ?= OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+OMPI_ENV   := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 OMPI_NAME  ?= Open MPI
-# (kept out of the tests' environment, where conftest takes any OMPI_ variable for Open MPI's mpiexec)
-unexport OMPI_VENV OMPI_SPEC OMPI_RANKS OMPI_LIBRARY_RANKS OMPI_LIBRARY_TESTS OMPI_PY OMPI_STAMP OMPI_ENV OMPI_NAME
 
 $(OMPI_STAMP): pyproject.toml
 	test -x $(OMPI_PY) || python3 -m venv $(OMPI_VENV)

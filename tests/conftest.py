@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 import mpcomm.info
 from mpcomm import Communicator
+from mpcomm.cuda import vendor
 
 WORLD = MPI.COMM_WORLD
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -82,12 +83,13 @@ def pytest_sessionstart(session) -> None:
 
 # ------------------------------------------------------------------------------------------ tests that launch mpiexec
 # Started by an mpiexec (Open MPI's sets OMPI_COMM_WORLD_*; other OMPI_ variables, e.g. OMPI_ALLOW_RUN_AS_ROOT, are
-# settings of a shell made for Open MPI's mpiexec)
+# settings of a shell made for Open MPI's mpiexec, and say nothing of which MPI this process runs)
 LAUNCHED = WORLD.Get_size() > 1 or any(k.startswith(("PMI_", "OMPI_COMM_WORLD_", "HYDRA_")) for k in os.environ)
-# ... or in such a shell (make test-openmpi), where the tests marked serial_only are skipped too (they were written
-# for MPICH's mpiexec); tests that do run there check LAUNCHED (tests/test_trace_hangs.py)
-UNDER_MPIEXEC = LAUNCHED or any(k.startswith("OMPI_") for k in os.environ)
-serial_only = pytest.mark.skipif(UNDER_MPIEXEC, reason="launches mpiexec itself; run it in the serial pytest pass")
+# The tests marked serial_only launch the venv's mpiexec as MPICH's is launched (hydra, as Intel MPI's too): on Open
+# MPI (PRRTE) they are skipped; tests that do run there check LAUNCHED (tests/test_trace_hangs.py)
+serial_only = pytest.mark.skipif(LAUNCHED or vendor(MPI.Get_library_version()) == "openmpi",
+                                 reason="launches mpiexec itself, as MPICH's: run it in the serial pytest pass, on "
+                                        "MPICH or Intel MPI")
 
 
 def mpiexec_path() -> str:
