@@ -246,7 +246,8 @@ def test_silent_rank_times_out_the_others(operation, algorithm):
 
     def run():
         if RANK == P - 1:
-            time.sleep(timeout + 1.0 if operation == "scatter" else 0.0)
+            if operation == "scatter":
+                time.sleep(timeout + 1.0)
             return None
         start = time.monotonic()
         try:
