@@ -9,6 +9,11 @@ receiver posts the payload receive once the envelope has named the source and th
 ``ANY_SOURCE`` takes the payload that belongs to its envelope, receives for the same source and tag can never
 take each other's payloads, and a mismatch is known before any payload lands in the user's buffer (the payload
 is then received into a scratch buffer, so the sender completes and nothing stale is left in flight).
+
+A receive from ``ANY_SOURCE`` is not posted to MPI: progress probes for its envelope (``MPI_Improbe``) and receives
+the message it found (``MPI_Mrecv``), since MPICH over UCX loses messages that a posted ``ANY_SOURCE`` receive
+matches between nodes (docs/mpi.md). Receives posted while it waits are probed for too, in the order posted, so
+that each still takes the message MPI would give it.
 """
 from __future__ import annotations
 
@@ -80,7 +85,9 @@ class Channels:
         self.rank, self.size = envelopes.rank, envelopes.size
         self._sequence = [0] * envelopes.size
         self._unopened: list[RecvWork] = []
-        self._requests: list[MPI.Request] = []  # their envelope requests, in the same order (for one Testsome)
+        # their envelope requests, in the same order (for one Testsome); REQUEST_NULL for those still probed
+        self._requests: list[MPI.Request] = []
+        self.probing = 0  # how many of them are probed for (a receive from ANY_SOURCE, and those after it)
         self._lock = threading.Lock()  # guards both; opening runs under it, so one thread opens a receive
         # told of a wait's CommTimeoutError before it is raised (the Communicator's flight-recorder dump)
         self.timed_out: Callable[[CommTimeoutError], object] | None = None
@@ -92,24 +99,34 @@ class Channels:
         return number
 
     def register(self, work: "RecvWork") -> None:
+        """Post ``work``'s envelope receive, or probe for it (from ANY_SOURCE, or behind a receive probed for),
+        and open it in :meth:`progress`."""
         with self._lock:
+            if work._src == MPI.ANY_SOURCE or self.probing:
+                self.probing += 1
+                self._requests.append(MPI.REQUEST_NULL)
+            else:
+                work._request = self.envelopes.mpi.Irecv(work._envelope, work._src, work._tag)
+                self._requests.append(work._request)
             self._unopened.append(work)
-            self._requests.append(work._request)
 
     def progress(self) -> None:
         """Open the receives whose envelopes have arrived (another thread doing it already is enough).
 
         Every wait calls this on every poll, so it asks MPI once (``Testsome``) however many receives are posted,
-        not once per receive (bench/results/observations.md, "One Testsome for all posted receives").
+        not once per receive (bench/results/observations.md, "One Testsome for all posted receives"); a receive
+        probed for is received once its probe finds a message, in the order the receives were posted.
         """
         if not self._unopened or not self._lock.acquire(False):
             return
         try:
+            if self.probing:
+                self._probe()
             statuses: list[MPI.Status] = []
             try:
                 arrived = MPI.Request.Testsome(self._requests, statuses)
             except MPI.Exception:  # some receive failed: each one finds out its own error
-                self._unopened[:] = [work for work in self._unopened if not work._try_open()]
+                self._unopened[:] = [work for work in self._unopened if work._request is None or not work._try_open()]
             else:
                 if not arrived:
                     return
@@ -117,15 +134,53 @@ class Channels:
                     self._unopened[index]._accept(status)
                 opened = set(arrived)
                 self._unopened[:] = [work for i, work in enumerate(self._unopened) if i not in opened]
-            self._requests[:] = [work._request for work in self._unopened]
+            self._requests[:] = self._posted()
         finally:
             self._lock.release()
+
+    def _probe(self) -> None:
+        """Receive the envelopes that the probed-for receives find, in the order they were posted (under the
+        lock): each becomes a posted receive of the message its probe matched, which Testsome then completes. A
+        message that an earlier receive still waiting could match (it may arrive between their probes) is left to
+        it, as MPI gives a message to the earliest receive that matches it."""
+        mpi = self.envelopes.mpi
+        failed: list[RecvWork] = []
+        waiting: list[RecvWork] = []  # probed for in this pass, no message yet
+        status = MPI.Status()
+        for i, work in enumerate(self._unopened):
+            if work._request is not None:
+                continue
+            try:
+                found = mpi.Iprobe(work._src, work._tag, status)
+                source, tag = status.Get_source(), status.Get_tag()
+                if not found or any(_matches(earlier, source, tag) for earlier in waiting):
+                    waiting.append(work)
+                    continue
+                message = mpi.Improbe(source, tag)  # (the message Iprobe saw: the first from source with tag)
+                if message is None:  # (taken meanwhile by a receive posted to MPI, from another thread)
+                    waiting.append(work)
+                    continue
+            except MPI.Exception as exc:
+                work._error, work._opened = _failure(self, work._describe(), exc), True
+                failed.append(work)
+            else:
+                work._request = self._requests[i] = message.Irecv(work._envelope)
+            self.probing -= 1
+        if failed:
+            self._unopened[:] = [work for work in self._unopened if work not in failed]
+            self._requests[:] = self._posted()
+
+    def _posted(self) -> list[MPI.Request]:
+        """The envelope requests of the unopened receives, in their order (REQUEST_NULL where still probed)."""
+        return [MPI.REQUEST_NULL if work._request is None else work._request for work in self._unopened]
 
     def forget(self, work: "RecvWork") -> None:
         with self._lock:
             if work in self._unopened:
                 self._unopened.remove(work)
-                self._requests[:] = [work._request for work in self._unopened]
+                if work._request is None:
+                    self.probing -= 1
+                self._requests[:] = self._posted()
 
     def free(self) -> None:
         self.envelopes.free()
@@ -254,7 +309,7 @@ def recv(channels: Channels, buf, src, tag, status: Status | None, payload_trans
     size — is done here without a Work: the envelope is polled (deadline and progress as every wait) and copied.
     ``payload_transport(channels, "recv", buf)`` gives the payload channel's transport (for any other case).
     """
-    if type(buf) is not np.ndarray or buf.nbytes > INLINE_BYTES:
+    if type(buf) is not np.ndarray or buf.nbytes > INLINE_BYTES or channels.probing:
         return irecv(channels, payload_transport(channels, "recv", buf), buf, src, tag, status, register=False).wait()
     if not (type(src) is int and 0 <= src < channels.size):
         src = check_peer(channels.size, src, "source", "recv", wildcard=True)
@@ -266,7 +321,11 @@ def recv(channels: Channels, buf, src, tag, status: Status | None, payload_trans
     envelopes = channels.envelopes
     # A fresh envelope each time: a reused one was slower in some heap layouts (bench/results/observations.md).
     envelope = bytearray(_ENVELOPE_BYTES)
-    request = envelopes.mpi.Irecv(envelope, src, tag)
+    try:
+        request = envelopes.mpi.Irecv(envelope, src, tag) if src != MPI.ANY_SOURCE else \
+            _probed_receive(envelopes, envelope, tag, _Lazy(lambda: _describe_recv(buf, src, tag)))
+    except MPI.Exception as exc:
+        raise _failure(channels, _describe_recv(buf, src, tag), exc) from None
     # Everything the arrival is checked against and copied with is made before it arrives (off the latency path).
     expected = _HEADER.pack(code, nbytes, buf.size, _INLINE)
     inline = memoryview(envelope)[_HEADER.size : _HEADER.size + nbytes]
@@ -297,12 +356,28 @@ def recv(channels: Channels, buf, src, tag, status: Status | None, payload_trans
     return buf
 
 
+def _probed_receive(envelopes: Transport, envelope, tag: int, operation: _Lazy) -> MPI.Request:
+    """The receive into ``envelope`` of the first message from any rank under ``tag``, found by ``MPI_Improbe``
+    polled within the deadline (not a posted ANY_SOURCE receive: see the module docstring)."""
+    found: list[MPI.Message] = []
+
+    def probe() -> bool:
+        message = envelopes.mpi.Improbe(MPI.ANY_SOURCE, tag)
+        if message is not None:
+            found.append(message)
+        return message is not None
+
+    envelopes.poll_until(probe, envelopes.others, operation)
+    return found[0].Irecv(envelope)
+
+
 def irecv(channels: Channels, payload_t, buf, src=ANY_SOURCE, tag=ANY_TAG, status: Status | None = None,
           register: bool = True):
     """Start receiving into ``buf``; on completion raises if the sender's size or dtype differ.
 
     ``src``/``tag`` may be ``ANY_SOURCE``/``ANY_TAG``; the Work's ``source``/``tag`` (and ``status``) tell what
-    was matched. ``register=False`` only for a receive waited on at once by the calling thread (:func:`recv`).
+    was matched. ``register=False`` only for a receive waited on at once by the calling thread (:func:`recv`);
+    one that is probed for (:meth:`Channels.register`) is registered all the same, to be probed in its turn.
     """
     src = check_peer(channels.size, src, "source", "recv", wildcard=True)
     tag = check_tag(tag, "recv", wildcard=True)
@@ -310,11 +385,11 @@ def irecv(channels: Channels, payload_t, buf, src=ANY_SOURCE, tag=ANY_TAG, statu
     _check_writeable(array)
     _code(array.dtype, "recv")
     envelope = np.empty(_ENVELOPE_BYTES, dtype=np.uint8)
-    work = RecvWork(channels, payload_t, channels.envelopes.mpi.Irecv(envelope, src, tag), envelope, buf, array,
-                    src, tag, status)
-    work._registered = register
-    if register:
+    work = RecvWork(channels, payload_t, None, envelope, buf, array, src, tag, status)
+    if register or src == MPI.ANY_SOURCE or channels.probing:
         channels.register(work)
+    else:
+        work._request, work._registered = channels.envelopes.mpi.Irecv(envelope, src, tag), False
     return work
 
 
@@ -382,8 +457,9 @@ class RecvWork(Work):
             elapsed = time.monotonic() - start
             if elapsed > limit:
                 channels.forget(self)
-                if not self._opened:  # not opened meanwhile: give up on it
-                    cancel(self._request)
+                if not self._opened:  # not opened meanwhile: give up on it (one probed for has nothing posted)
+                    if self._request is not None:
+                        cancel(self._request)
                     peers = channels.envelopes.others if self._src == MPI.ANY_SOURCE else (self._src,)
                     channels.envelopes.failed = True
                     raise CommTimeoutError(self._describe(), peers, elapsed, limit, channels.rank, ON_TIMEOUT)
@@ -449,6 +525,11 @@ class RecvWork(Work):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _matches(work: RecvWork, source: int, tag: int) -> bool:
+    """Whether a message from ``source`` with ``tag`` matches ``work``'s receive."""
+    return work._src in (source, MPI.ANY_SOURCE) and work._tag in (tag, MPI.ANY_TAG)
+
+
 class _Lazy:
     """A label formatted only when an error message needs it (the hot path never formats)."""
 
