@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.mpcomm-installed
 MPI_TIMEOUT ?= 900
 RANKS ?= 4
 
-.PHONY: install run typecheck test test-serial test-mpi test-torch test-torch-version test-cluster test-cluster-openmpi test-openmpi test-intelmpi test-torch-openmpi test-torch-openmpi-run test-python bench soak clean
+.PHONY: install run typecheck test test-serial test-mpi test-torch test-torch-version test-cluster test-cluster-openmpi test-cluster-torch test-openmpi test-intelmpi test-torch-openmpi test-torch-openmpi-run test-python bench soak clean
 
 EXTRAS  ?= test,plot
 
@@ -91,6 +91,16 @@ test-cluster: $(STAMP)
 test-cluster-openmpi: $(OMPI_STAMP)
 	CLUSTER_MPIEXEC=$(abspath $(OMPI_VENV))/bin/mpiexec PYTHON=$(abspath $(OMPI_PY)) CLUSTER_SCRIPT_TESTS=0 \
 		timeout 1200 tests/cluster/run.sh
+
+# The torch backend across the simulated cluster's nodes, by hand (1.5-4.5 min a shape; docs/testing.md says what last
+# passed): every test marked torch at 4 ranks on 2 nodes x 2 ranks and 4 x 1, in TORCH_VENV (one of make
+# test-torch's). On Open MPI: TORCH_VENV=.venv-ompi-torch CLUSTER_MPIEXEC=$PWD/.venv-ompi/bin/mpiexec.
+TORCH_VENV ?= .venv-torch-$(TORCH_VERSION)
+test-cluster-torch:
+	$(TORCH_VENV)/bin/python -c "import torch; from mpi4py import MPI; print('== torch', torch.__version__, 'on', MPI.Get_library_version().splitlines()[0])"
+	for shape in "2 2" "4 1"; do \
+		timeout 900 ci/cluster.sh $$shape 1gbit -- timeout 800 mpiexec -n 4 $(abspath $(TORCH_VENV))/bin/python -m pytest -q --with-mpi -m "mpi and torch" tests || exit 1; \
+	done
 
 # The long soak (bench/soak.py): SOAK_CALLS seeded random collectives at p = 2, 3, 4, each checked against numpy;
 # fails on a wrong result, on RSS growing more than SOAK_RSS_MIB after the first fifth, or on fds / threads changing.

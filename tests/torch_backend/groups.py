@@ -3,7 +3,6 @@
 over ``MPI.COMM_WORLD``."""
 from __future__ import annotations
 
-import os
 import warnings
 from datetime import timedelta
 
@@ -11,7 +10,6 @@ import torch.distributed as dist
 from conftest import WORLD, in_step
 
 import mpcomm.integrations.torch as mpt
-from mpcomm.integrations.ports import free_port  # (below the ephemeral range: gloo's connections cannot take it)
 
 
 def init_default(backend: str, seconds: float = 60) -> None:
@@ -20,10 +18,8 @@ def init_default(backend: str, seconds: float = 60) -> None:
         in_step(dist.destroy_process_group)
     timeout = timedelta(seconds=seconds)
     if backend == "gloo":
-        port = WORLD.bcast(free_port() if WORLD.Get_rank() == 0 else None, root=0)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        in_step(lambda: dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                                rank=WORLD.Get_rank(), world_size=WORLD.Get_size(), timeout=timeout))
+        init = mpt.gloo_init_args()
+        in_step(lambda: dist.init_process_group("gloo", timeout=timeout, **init))
     else:
         in_step(lambda: mpt.init_process_group(timeout=timeout))
 

@@ -36,9 +36,15 @@ import numpy as np  # noqa: E402
 import mpcomm.integrations.torch.hooks as mpcomm_hooks  # noqa: E402
 from mpcomm.compression import WIRES, codec  # noqa: E402
 from mpcomm.integrations.torch.hooks import TORCH_REFUSES_BF16_HOOK, WireState, wire_hook  # noqa: E402
+from test_wire import reference as wire_reference  # noqa: E402
 from torch_backend.groups import on_backend  # noqa: E402
 
+from mpi4py import MPI  # noqa: E402
+
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+_HOST = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+RANKS_PER_HOST = None if _HOST.Get_size() == SIZE else _HOST.Get_size()  # (hosts spanned: the simulated cluster)
+_HOST.Free()
 pytestmark = [pytest.mark.torch, pytest.mark.mpi,
               pytest.mark.skipif(not dist.is_gloo_available(), reason="this PyTorch has no gloo")]
 STEPS, BATCH, SEED = 4, 16, 29
@@ -207,12 +213,10 @@ def test_powersgd_at_rank_one_equals_gloo():
 
 # ---------------------------------------------------------------------------------------------- mpcomm's wire hook
 def wire_math(wire: str, contributions: list[torch.Tensor]) -> torch.Tensor:
-    """The compressed average on one host (mpcomm.algorithms.compressed): the float32 sum in rank order, rounded
-    by the codec, divided by p, rounded again."""
-    c = codec(wire)
-    total = functools.reduce(np.add, [g.numpy().reshape(-1) for g in contributions])
-    out = c.roundtrip(c.roundtrip(total) / np.float32(len(contributions)))
-    return torch.from_numpy(out).reshape(contributions[0].shape)
+    """The compressed average (mpcomm.algorithms.compressed, tests/test_wire.py's reference): each host's float32
+    sum in rank order rounded by the codec, their sum divided by p, rounded again (on one host: the float32 sum of
+    every rank, rounded, divided, rounded)."""
+    return torch.from_numpy(wire_reference([g.numpy() for g in contributions], "avg", wire, RANKS_PER_HOST))
 
 
 def fed_back(wire: str, per_step: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:

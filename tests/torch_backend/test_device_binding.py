@@ -9,7 +9,6 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/torc
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -23,7 +22,6 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import mpcomm.integrations.torch as mpt  # noqa: E402
-from mpcomm.integrations.ports import free_port  # noqa: E402  (below the ephemeral range: no clash with gloo)
 from torch_backend.groups import backend_of, on_backend  # noqa: E402
 
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
@@ -42,9 +40,7 @@ def _binding(spec: str) -> dict:
     """init_process_group(spec) over every rank: how torch sees the group, or the error it raised."""
     backend = "gloo" if "gloo" in spec else "mpcomm"
     if backend == "gloo":
-        port = WORLD.bcast(free_port() if RANK == 0 else None, root=0)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        init = {"init_method": f"tcp://127.0.0.1:{port}", "rank": RANK, "world_size": SIZE}
+        init = mpt.gloo_init_args()
     else:
         init = {"init_method": "mpcomm://"}
     try:

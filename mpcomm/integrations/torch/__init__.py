@@ -20,7 +20,8 @@ torch builds each process group and registers with it, for ``cpu``, a :class:`~.
 :class:`mpcomm.Communicator` (``new_group`` and DeviceMesh sub-groups over ``MPI.Comm.Create_group``); the class it
 derives from is torch's or ours by torch version (``base.py``); how its calls run is in ``lane.py``,
 how tensors and reduce ops map to mpcomm's in ``tensors.py``. ``python -m mpcomm.integrations.torch`` times
-DDP steps on mpcomm against gloo.
+DDP steps on mpcomm against gloo, whose group :func:`gloo_init_args` puts over the same ranks (on one host or
+several).
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ from .tensors import as_numpy, reduce_op_name, reduction
 SCHEME = "mpcomm"
 _CREATE_GROUP_TAG = 0x6D70  # MPI.Comm.Create_group's tag for the groups of torch's new_group
 
-__all__ = ["BACKEND", "SCHEME", "BackendMpcomm", "as_numpy", "init_process_group", "monitored_barrier",
-           "reduce_op_name", "reduction", "register", "set_env_rendezvous_defaults"]
+__all__ = ["BACKEND", "SCHEME", "BackendMpcomm", "as_numpy", "gloo_init_args", "init_process_group",
+           "monitored_barrier", "reduce_op_name", "reduction", "register", "set_env_rendezvous_defaults"]
 
 
 # ---------------------------------------------------------------------------------------------- registration
@@ -95,28 +96,55 @@ def register() -> None:
 
 def set_env_rendezvous_defaults() -> dict[str, str]:
     """Set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT where unset, from MPI (collective over
-    ``MPI.COMM_WORLD``); returns what it set. MASTER_ADDR is loopback when every rank shares one host, else rank
-    0's host name; MASTER_PORT a port that was free on rank 0."""
+    ``MPI.COMM_WORLD``); returns what it set. MASTER_ADDR and MASTER_PORT as :func:`_store_address` gives them."""
     import os
-    import socket
 
     world = MPI.COMM_WORLD
-    host = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
-    local_rank, one_host = host.Get_rank(), host.Get_size() == world.Get_size()
-    host.Free()
+    local_rank, one_host = _placement(world)
     missing = int(not ("MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ))
-    address = None
-    if world.allreduce(missing, op=MPI.MAX):  # every rank takes the same branch
-        if world.Get_rank() == 0:
-            name = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if one_host else socket.gethostname())
-            address = (name, os.environ.get("MASTER_PORT") or str(free_port(name)))
-        address = world.bcast(address, root=0)
     values = {"RANK": str(world.Get_rank()), "WORLD_SIZE": str(world.Get_size()), "LOCAL_RANK": str(local_rank)}
-    if address is not None:
-        values.update(MASTER_ADDR=address[0], MASTER_PORT=address[1])
+    if world.allreduce(missing, op=MPI.MAX):  # every rank takes the same branch
+        host, port = _store_address(world, one_host, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+        values.update(MASTER_ADDR=host, MASTER_PORT=port)
     set_here = {k: v for k, v in values.items() if k not in os.environ}
     os.environ.update(set_here)
     return set_here
+
+
+def gloo_init_args() -> dict:
+    """The arguments of ``dist.init_process_group`` that put a gloo group over the ranks of this MPI job, to run the
+    same program on gloo beside mpcomm (collective over ``MPI.COMM_WORLD``): a TCP store at
+    :func:`_store_address`, rank and size from MPI. Where every rank shares one host gloo is put on loopback
+    (GLOO_SOCKET_IFNAME=lo, unless set); across hosts it takes the interface of the host's name, its default."""
+    import os
+
+    world = MPI.COMM_WORLD
+    one_host = _placement(world)[1]
+    host, port = _store_address(world, one_host)
+    if one_host:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return {"init_method": f"tcp://{host}:{port}", "rank": world.Get_rank(), "world_size": world.Get_size()}
+
+
+def _placement(world: MPI.Comm) -> tuple[int, bool]:
+    """This rank's rank on its host, and whether every rank of ``world`` shares that host (collective)."""
+    host = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    placement = host.Get_rank(), host.Get_size() == world.Get_size()
+    host.Free()
+    return placement
+
+
+def _store_address(world: MPI.Comm, one_host: bool, host: str | None = None, port: str | None = None
+                   ) -> tuple[str, str]:
+    """Rank 0's (host, port) for a TCP store, the same on every rank (collective): ``host``, else loopback where
+    every rank shares one host, else rank 0's host name; ``port``, else one free there (rank 0's values count)."""
+    import socket
+
+    address = None
+    if world.Get_rank() == 0:
+        host = host or ("127.0.0.1" if one_host else socket.gethostname())
+        address = (host, port or str(free_port(host)))
+    return world.bcast(address, root=0)
 
 
 def init_process_group(**kwargs) -> None:

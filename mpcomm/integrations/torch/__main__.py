@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ..ports import free_port
-from . import init_process_group
+from . import gloo_init_args, init_process_group
 
 
 def _time_ddp(steps: int, warmup: int, width: int, seed: int) -> tuple[float, list[float]]:
@@ -38,7 +37,6 @@ def _time_ddp(steps: int, warmup: int, width: int, seed: int) -> tuple[float, li
 def main(argv=None) -> int:
     """``mpiexec -n P python -m mpcomm.integrations.torch``: DDP step time on mpcomm vs gloo, same job."""
     import argparse
-    import os
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--steps", type=int, default=30)
@@ -53,10 +51,7 @@ def main(argv=None) -> int:
     results["mpcomm"] = _time_ddp(args.steps, args.warmup, args.width, args.seed)
     dist.destroy_process_group()
     if dist.is_gloo_available():
-        port = world.bcast(free_port() if world.Get_rank() == 0 else None, root=0)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.Get_rank(),
-                                world_size=world.Get_size())
+        dist.init_process_group("gloo", **gloo_init_args())
         results["gloo"] = _time_ddp(args.steps, args.warmup, args.width, args.seed)
         dist.destroy_process_group()
     if world.Get_rank() == 0:
