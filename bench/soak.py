@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import tracemalloc
 import zlib
 
 import ml_dtypes
@@ -30,6 +31,8 @@ from mpi4py import MPI
 
 from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY
+from mpcomm.settings import Settings
+from mpcomm.trace import process_recorder
 
 WORLD = MPI.COMM_WORLD
 INTS = [np.dtype(t) for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")]
@@ -127,6 +130,13 @@ class Soak:
                         self.call(index, name, operation, algorithm, np.dtype("complex128"), "sum" if reducing else None,
                                   max(LARGE), 0, blocking, counts)
                         index += 1
+
+    def fill_recorder(self) -> None:
+        """As many barriers as the flight recorder keeps calls: from here on each call's entry replaces one of
+        the same size, so that what the ring holds stops growing."""
+        recorder = process_recorder(Settings.resolve().trace_buffer)  # (the one the Communicators made)
+        for _ in range(recorder.capacity if recorder is not None else 0):
+            self.world.barrier()
 
     def call(self, index, name, operation, algorithm, dtype, op, n, root, blocking, counts) -> None:
         """Run one call on every rank (each on its communicator ``name``), check it, count it."""
@@ -235,44 +245,65 @@ def scratch_bytes(comms) -> int:
     return sum(c.footprint()["scratch_bytes"] for c in comms)
 
 
-def run(calls: int, seed: int, warmup: int, report_every: int = 0, out=None, warm_paths: bool = False) -> dict:
-    """``calls`` random calls (after ``warm_every_path`` if ``warm_paths``); the footprint after ``warmup`` calls
-    and at the end; mpcomm's table sizes and scratch bytes."""
+def run(calls: int, seed: int, warmup: int, report_every: int = 0, out=None, warm_paths: bool = False,
+        passes: int = 1, traced: bool = False) -> dict:
+    """``calls`` random calls, ``passes`` times over (after ``warm_every_path`` if ``warm_paths``); the footprint
+    after ``warmup`` calls, at the end of each pass and at the end, each pass's peak RSS; mpcomm's table sizes and
+    scratch bytes. With ``traced``, the footprint has the bytes Python and numpy hold (``tracemalloc``): exact where
+    RSS depends on where the allocator put freed blocks, so a pass that repeats the one before shows what it
+    leaked, to the byte."""
     soak = Soak(seed)
     start, after_warmup, peak_rss, samples = time.perf_counter(), None, 0, []
+    pass_peaks: list[int] = []
+    pass_ends: list[dict] = []
 
     def watch() -> dict:
         gc.collect()  # evicted plans are cyclic garbage until a full collection: count what is alive
         return {"rss": rss_bytes(), "fds": open_fds(), "threads": threading.active_count(),
-                "scratch": scratch_bytes(soak.comms.values()), "python_blocks": sys.getallocatedblocks()}
+                "scratch": scratch_bytes(soak.comms.values()), "python_blocks": sys.getallocatedblocks(),
+                "traced": tracemalloc.get_traced_memory()[0] if traced else None}
 
+    if traced:
+        tracemalloc.start()
+        soak.fill_recorder()  # (the ring's first round would count as growth)
     try:
         if warm_paths:
             soak.warm_every_path()
             if out is not None and WORLD.Get_rank() == 0:
                 print(f"every path warmed: {soak.calls} calls, {soak.wrong} wrong, {watch()}, "
                       f"{time.perf_counter() - start:.0f} s", file=out, flush=True)
-        for index in range(calls):
-            soak.step(index)
-            if index + 1 == warmup:
-                after_warmup = watch()
-            if index + 1 >= warmup:
-                peak_rss = max(peak_rss, rss_bytes())
-            if report_every and (index + 1) % report_every == 0:
-                samples.append({"calls": index + 1, **watch()})
-                if out is not None and WORLD.Get_rank() == 0:
-                    now = samples[-1]
-                    print(f"{index + 1} calls, {soak.wrong} wrong, rss {now['rss'] / 2**20:.1f} MiB, scratch "
-                          f"{now['scratch'] / 2**20:.1f} MiB, python blocks {now['python_blocks']}, fds {now['fds']}, "
-                          f"threads {now['threads']}, {time.perf_counter() - start:.0f} s", file=out, flush=True)
+        done = 0
+        for _ in range(passes):
+            pass_peaks.append(0)
+            for index in range(calls):
+                soak.step(index)
+                done += 1
+                rss = rss_bytes()
+                pass_peaks[-1] = max(pass_peaks[-1], rss)
+                if done == warmup:
+                    after_warmup = watch()
+                if done >= warmup:
+                    peak_rss = max(peak_rss, rss)
+                if report_every and done % report_every == 0:
+                    samples.append({"calls": done, **watch()})
+                    if out is not None and WORLD.Get_rank() == 0:
+                        now = samples[-1]
+                        print(f"{done} calls, {soak.wrong} wrong, rss {now['rss'] / 2**20:.1f} MiB, scratch "
+                              f"{now['scratch'] / 2**20:.1f} MiB, python blocks {now['python_blocks']}, fds "
+                              f"{now['fds']}, threads {now['threads']}, {time.perf_counter() - start:.0f} s",
+                              file=out, flush=True)
+            pass_ends.append(watch())
         end = watch()
         tables = {name: {key: count for key, count in c.footprint().items() if key != "scratch_bytes"}
                   for name, c in soak.comms.items()}
     finally:
         soak.free()
+        if traced:
+            tracemalloc.stop()
     return {"calls": soak.calls, "wrong": soak.wrong, "failures": soak.failures, "combinations": len(soak.seen),
             "after_warmup": after_warmup or end, "end": end, "peak_rss_after_warmup": peak_rss or end["rss"],
-            "tables": tables, "seconds": time.perf_counter() - start, "samples": samples}
+            "pass_peak_rss": pass_peaks, "pass_ends": pass_ends, "tables": tables,
+            "seconds": time.perf_counter() - start, "samples": samples}
 
 
 def main() -> None:
