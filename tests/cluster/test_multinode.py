@@ -17,8 +17,7 @@ from conftest import (WORLD, assert_identical_across_ranks, assert_matches_singl
 from mpi4py import MPI
 from test_wire import reference as wire_reference
 
-import mpcomm
-from mpcomm import Communicator, ParallelMesh
+from mpcomm import ANY_SOURCE, Communicator, ParallelMesh, Status
 from mpcomm.algorithms import REGISTRY, compressed, pipelined
 from mpcomm.compression import WIRES
 from mpcomm.nn import SGD, TransformerMLPBlock, make_optimizer, mse_loss
@@ -188,8 +187,8 @@ def test_receives_from_any_source_get_every_message_across_nodes(comm):
             if comm.rank == 0:
                 for _ in range(P - 1):
                     got = np.zeros(3)
-                    status = mpcomm.Status()
-                    comm.recv(got, mpcomm.ANY_SOURCE, tag=round_, status=status)
+                    status = Status()
+                    comm.recv(got, ANY_SOURCE, tag=round_, status=status)
                     received.append((round_, status.source, got[0]))
             else:
                 comm.send(np.full(3, float(comm.rank)), 0, tag=round_)
