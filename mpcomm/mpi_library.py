@@ -48,6 +48,10 @@ class Library:
     # 64 KiB to 16 MiB on the simulated 2 x 2 cluster), and Open MPI's was not measured across nodes.
     min_max_op: bool = False
     arithmetic_op_bytes: tuple[int, int | None] = (0, 0)
+    # Where native polls the non-blocking all-reduce (it does not meet and block), on at least [0] nodes and [1]
+    # ranks and of more than [2] bytes: from a copy of the input into the buffer, not in place, where the library
+    # runs a faster algorithm for that call (None: always in place).
+    polled_from_copy: tuple[int, int, int] | None = None
     cost_model: tuple = ()  # (field, value) pairs of CostModel that differ on this library (its defaults: MPICH's)
 
 
@@ -79,8 +83,12 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # cores its tree and libnbc's took 1.4-2.4x their p = 2 time, rhd 2.2-4.5x; dtype_op.md, "Stop 37").
     # Its reduce-scatter (blocking or not) took 5-9x mpcomm's ring from 2 MiB at p = 2, its
     # non-blocking reduce (libnbc) 2.8-4.1x mpcomm's tree at 512 KiB-4 MiB (dtype_op.md, "Stop 33").
+    # libnbc runs every in-place all-reduce as a binomial reduce and broadcast; from a separate input, on 4 ranks or
+    # more and from 64 KiB, as Rabenseifner's (nbc_iallreduce.c), which on the simulated 2 x 2 cluster took 1.0-1.1x
+    # the blocking call at 1-16 MiB, where in place took 2.9-3.0x; on one node (ranks sharing cores) the copy and
+    # Rabenseifner's took 1.3-1.4x the binomial in place (openmpi.md, "Stop 51").
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=(4 << 10) - 1, min_max_op=True,
-                       arithmetic_op_bytes=(0, None),
+                       arithmetic_op_bytes=(0, None), polled_from_copy=(2, 4, 64 << 10),
                        cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"),
                                    ("alpha_py_in_node", 10e-6), ("native_int_scale", ()), ("single_copy", True),
                                    ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
@@ -98,7 +106,8 @@ def library() -> Library:
 # Each way of waiting, as the profile fields that make native take it at every size (benchmarks and tests force
 # each on whichever library they run on).
 WAYS: dict[str, dict[str, Any]] = {
-    "nonblocking": {"persistent_upto": 0, "blocking_above": None},
+    "nonblocking": {"persistent_upto": 0, "blocking_above": None, "polled_from_copy": None},
+    "nonblocking from a copy": {"persistent_upto": 0, "blocking_above": None, "polled_from_copy": (1, 1, -1)},
     "persistent": {"persistent_upto": 1 << 62, "blocking_above": None},
     "meet+blocking": {"persistent_upto": 0, "blocking_above": -1, "blocking_on_shared_cores": True},
 }

@@ -509,6 +509,33 @@ def test_native_polled_is_priced_as_the_librarys_algorithm():
         assert crowded.allreduce("native", n, shared) == pytest.approx(polled, rel=1e-12)
 
 
+def test_native_polled_from_a_copy_is_priced_as_rhd_near_halves_first():
+    """Open MPI runs a non-blocking all-reduce from a separate input, on 4 ranks or more and of more than 64 KiB, as
+    Rabenseifner's, exchanging the near halves first, and in place as the binomial tree (nbc_iallreduce.c): native
+    polls it from a copy across nodes (Library.polled_from_copy; on one node, ranks sharing cores, the binomial in
+    place was faster), priced as the copy and that rhd run in C. At 2 x 2 its halves inside the nodes come first,
+    so each node's link carries n, half what mpcomm's rhd (the far halves first) puts on it."""
+    from mpcomm.mpi_library import PROFILES
+
+    openmpi = replace(CostModel.of_library(PROFILES["openmpi"]), beta_net=1 / 125e6)
+    assert openmpi.native_polled_from_copy == PROFILES["openmpi"].polled_from_copy == (2, 4, 64 << 10)
+    assert CostModel.of_library(PROFILES["mpich"]).native_polled_from_copy is None
+    nodes, big, small = Layout(4, (2, 2)), 1 << 20, 64 << 10
+    copied = big * openmpi.beta + openmpi.rhd(big, nodes, openmpi.alpha_native, near_first=True)
+    assert openmpi.allreduce("native", big, nodes) == pytest.approx(copied, rel=1e-12)
+    shared = Layout(4, (4,), ranks_per_core=2.0)
+    for n, layout in ((small, nodes), (big, Layout(2, (1, 1))), (big, Layout(3, (2, 1))), (big, shared)):  # in place
+        model = openmpi.for_layout(layout)
+        assert model.allreduce("native", n, layout) == pytest.approx(model.tree(n, layout, model.alpha_native),
+                                                                     rel=1e-12)
+    wire_only = replace(openmpi, alpha_native=0.0, alpha_net=0.0, beta=0.0, gamma=0.0, cold_byte=0.0)
+    near = wire_only.rhd(big, nodes, 0.0, near_first=True)
+    assert near == pytest.approx(big * wire_only.beta_net, rel=1e-12)
+    assert wire_only.rhd(big, nodes, 0.0) == pytest.approx(2 * near, rel=1e-12)
+    four_nodes = Layout(4, (1, 1, 1, 1))  # (every exchange crosses: the order moves no byte)
+    assert wire_only.rhd(big, four_nodes, 0.0, near_first=True) == pytest.approx(wire_only.rhd(big, four_nodes, 0.0))
+
+
 def openmpi_selector(layout: Layout) -> Selector:
     """The selector Selector.default builds on Open MPI for ``layout`` (its profile's model)."""
     from mpcomm.mpi_library import PROFILES

@@ -448,3 +448,24 @@ def test_the_blocking_way_is_never_taken_across_nodes():
     assert not native.meets_then_blocks(t, replace(library(), blocking_above=1024), 1 << 20)
     assert not native.meets_then_blocks(t, forced("meet+blocking"), 8)
 
+
+
+def test_the_polled_all_reduce_starts_from_a_copy_only_where_the_profile_says():
+    """Open MPI's profile: native polls its non-blocking all-reduce from a copy of the input across nodes, on 4
+    ranks or more and of more than 64 KiB (where libnbc runs it as Rabenseifner's, not its in-place binomial tree);
+    in place everywhere else, and on every other library."""
+    from mpcomm.mpi_library import PROFILES
+
+    openmpi, big = PROFILES["openmpi"], (64 << 10) + 1
+    t = Transport(WORLD, 5.0)  # (nothing is sent: only its size and flags are read; not freed: WORLD's)
+    t.spans_nodes = True
+    assert native.polled_from_copy(t, openmpi, big) == (P >= 4)
+    assert not native.polled_from_copy(t, openmpi, 64 << 10)
+    assert not native.polled_from_copy(t, PROFILES["mpich"], 1 << 30)
+    assert not native.polled_from_copy(t, forced("nonblocking"), 1 << 30)
+    assert native.polled_from_copy(t, forced("nonblocking from a copy"), 1)
+    t.spans_nodes = False
+    assert not native.polled_from_copy(t, openmpi, 1 << 30)
+    t.share_cores()
+    assert not native.polled_from_copy(t, openmpi, 1 << 30)
+    assert native.polled_from_copy(t, forced("nonblocking from a copy"), 0)

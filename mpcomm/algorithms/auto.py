@@ -126,6 +126,9 @@ class CostModel:
     # Across nodes native polls the library's non-blocking all-reduce: MPICH's is node-aware; Open MPI's (libnbc)
     # runs an in-place one as a binomial reduce, then a binomial broadcast ("binomial"; bench/results/cluster.md).
     native_polled: str = "node_aware"
+    # (nodes and ranks at least, bytes more than) where native polls that all-reduce from a copy of the input, which
+    # Open MPI's runs as Rabenseifner's, the near halves first (mpi_library.Library.polled_from_copy; ``of_library``)
+    native_polled_from_copy: tuple[int, int, int] | None = None
     # On one node with ranks sharing cores native polls that non-blocking all-reduce too, unless the library's
     # profile makes its blocking call there (mpi_library.Library.blocking_on_shared_cores; set by ``of_library``).
     native_polls_shared_cores: bool = True
@@ -182,7 +185,7 @@ class CostModel:
     def of_library(cls, profile: Library) -> "CostModel":
         """The model with an MPI library's own constants (its profile's ``cost_model``; the defaults are MPICH's)."""
         return cls(native_min_max_op=profile.min_max_op, native_polls_shared_cores=not profile.blocking_on_shared_cores,
-                   **dict(profile.cost_model))
+                   native_polled_from_copy=profile.polled_from_copy, **dict(profile.cost_model))
 
     def with_network(self, network: "topology.NetworkMeasurement") -> "CostModel":
         """This model with the measured latency and seconds per byte between nodes."""
@@ -234,20 +237,22 @@ class CostModel:
         step = a + (pieces - 1) * self.alpha_segment + overlapped
         return gather + (p - 1) * step
 
-    def rhd(self, n: float, layout: Layout, alpha: float) -> float:
-        """Recursive halving + doubling over the largest power of two, with the fold for the remainder."""
+    def rhd(self, n: float, layout: Layout, alpha: float, near_first: bool = False) -> float:
+        """Recursive halving + doubling over the largest power of two, with the fold for the remainder: the halves
+        exchanged with the farthest partner first (mpcomm's), or with the nearest (``near_first``: MPICH's and Open
+        MPI's, whose largest halves then stay inside a node)."""
         p, q = layout.size, layout.ranks_per_node
         p2 = 1 << (p.bit_length() - 1)
         total = 0.0
         if p2 != p:  # the fold pairs ranks 2i, 2i+1: some pair straddles two nodes when a node's rank count is odd
             a, b = self._link(layout.num_nodes > 1 and q % 2 == 1, alpha)
             total = 2 * (a + n * b) + self._reduce(n)
-        distance, part = p2 // 2, n / 2
-        while distance >= 1:  # halving round at this distance exchanges `part` bytes; doubling mirrors it
-            crosses = layout.num_nodes > 1 and distance >= q
+        distances, part = [1 << k for k in range(p2.bit_length() - 1)], n / 2  # (1, 2, .., p2 / 2)
+        for distance in distances if near_first else reversed(distances):  # halving exchanges `part` bytes at
+            crosses = layout.num_nodes > 1 and distance >= q  # this distance; doubling mirrors it
             a, b = self._link(crosses, alpha)
             total += 2 * (a + part * b * (q if crosses else 1)) + self._reduce(part)
-            distance, part = distance // 2, part / 2
+            part /= 2
         return total
 
     def tree(self, n: float, layout: Layout, alpha: float | None = None) -> float:
@@ -406,11 +411,15 @@ class CostModel:
         go at the link's rate whoever sends them: on 2 x 2 simulated nodes at 1 Gbit/s native took hierarchical's
         time, the same bytes on each NIC, where the scale had priced it well above (bench/results/cluster.md).
         Where native polls a library's that is a binomial tree (``native_polled``: across nodes, and on one node
-        where ranks share cores, ``native_polls_shared_cores``), it is mpcomm's tree run in C. From
-        ``FRESH_PAGES_FROM`` bytes its temporary comes in fresh pages every call."""
+        where ranks share cores, ``native_polls_shared_cores``), it is mpcomm's tree run in C; where native polls it
+        from a copy of the input (``native_polled_from_copy``), the copy and rhd run in C, the near halves first.
+        From ``FRESH_PAGES_FROM`` bytes its temporary comes in fresh pages every call."""
         fresh = n * self.fresh_page_byte if n >= FRESH_PAGES_FROM else 0.0
         polled = layout.num_nodes > 1 or (self.native_polls_shared_cores and layout.ranks_per_core > 1)
         if polled and self.native_polled == "binomial":
+            nodes, ranks, above = self.native_polled_from_copy or (math.inf, math.inf, math.inf)
+            if layout.num_nodes >= nodes and layout.size >= ranks and n > above:
+                return fresh + n * self.beta + self.rhd(n, layout, self.alpha_native, near_first=True)
             return fresh + self.tree(n, layout, self.alpha_native)
         if layout.num_nodes == 1:
             return fresh + self._native_scaled(lambda m: self.rhd(m, layout, self.alpha_native), n)

@@ -45,7 +45,8 @@ _MEETING_TESTS = 1000
 # The dtypes native_calls' all-reduce takes (its datatype_of, in this machine's byte order)
 _C_DTYPES = frozenset(np.dtype(name) for name in ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
                                                   "uint64", "float32", "float64", "complex64", "complex128"))
-_PERSISTENT, _MEET, _ONE_CALL, _MPI4PY = "persistent", "meet", "one call", "mpi4py"  # native's ways to wait (_way)
+# native's ways to wait (_way)
+_PERSISTENT, _MEET, _FROM_COPY, _ONE_CALL, _MPI4PY = "persistent", "meet", "from a copy", "one call", "mpi4py"
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
@@ -217,6 +218,9 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, finish: int = 0, mpi_op
             if request is not NotImplemented:
                 t.wait_one(MPI.Request.f2py(request))
                 return False
+        if way == _FROM_COPY:
+            _wait(t, t.mpi.Iallreduce(_copy(t, buf, "native.input"), buf, mpi_op))
+            return False
     _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, buf, mpi_op))
     return False
 
@@ -230,6 +234,8 @@ def _way(t: Transport, nbytes: int, calls, persistent: bool = True) -> str:
         return _PERSISTENT
     if meets_then_blocks(t, profile, nbytes):
         return _MEET
+    if polled_from_copy(t, profile, nbytes):
+        return _FROM_COPY
     return _ONE_CALL if calls is not None and nbytes <= _ONE_CALL_UPTO else _MPI4PY
 
 
@@ -284,6 +290,17 @@ def meets_then_blocks(t: Transport, profile: Library, nbytes: int) -> bool:
     Never across nodes: a link lost in the middle of the blocking call would hold it past the deadline, forever."""
     return (profile.blocking_above is not None and nbytes > profile.blocking_above and not t.spans_nodes
             and (profile.blocking_on_shared_cores or not t.cores_shared))
+
+
+def polled_from_copy(t: Transport, profile: Library, nbytes: int) -> bool:
+    """Whether the non-blocking all-reduce native polls for ``nbytes`` on ``t`` reduces a copy of the input into
+    the buffer, not the buffer in place: where the library's profile says it runs a faster algorithm so
+    (``Library.polled_from_copy``). The same on every rank."""
+    if profile.polled_from_copy is None:
+        return False
+    nodes, ranks, above = profile.polled_from_copy
+    return ((t.spans_nodes or nodes <= 1) and t.size >= ranks and nbytes > above
+            and not meets_then_blocks(t, profile, nbytes))
 
 
 def _start(t: Transport, buf, persistent: tuple, calls, finish: int) -> bool:
@@ -383,8 +400,8 @@ def _check_met(t: Transport, buf, op: ReduceOp, extremes) -> None:
             f"dtypes or ops (this rank: {buf.size} x {buf.dtype}, {op.name}); nothing was sent")
 
 
-def _copy(t: Transport, array):
-    copy = t.scratch("native.keys", array.size, array.dtype, like=array)
+def _copy(t: Transport, array, slot: str = "native.keys"):
+    copy = t.scratch(slot, array.size, array.dtype, like=array)
     copy[...] = array
     return copy
 

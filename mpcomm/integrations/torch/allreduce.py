@@ -118,8 +118,9 @@ class AllreducePaths:
         if plan.fn is not REGISTRY["allreduce"]["native"] or not plan.direct or plan.rop.divisor != 1:
             return None
         t = self.comm.transport
-        if native.meets_then_blocks(t, library(), array.nbytes):  # (the C++ call only polls)
-            return None
+        profile = library()
+        if native.meets_then_blocks(t, profile, array.nbytes) or native.polled_from_copy(t, profile, array.nbytes):
+            return None  # (the C++ call only polls the all-reduce in place: every rank must run the same)
         if native.own_op(t, array, plan.rop) is not None:  # (its MPI op: every rank must reduce with the same)
             return None
         return plan.running(self._native_run)
