@@ -449,7 +449,6 @@ def test_the_blocking_way_is_never_taken_across_nodes():
     assert not native.meets_then_blocks(t, forced("meet+blocking"), 8)
 
 
-
 def test_the_polled_all_reduce_starts_from_a_copy_only_where_the_profile_says():
     """Open MPI's profile: native polls its non-blocking all-reduce from a copy of the input across nodes, on 4
     ranks or more and of more than 64 KiB (where libnbc runs it as Rabenseifner's, not its in-place binomial tree);
