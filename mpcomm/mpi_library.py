@@ -97,6 +97,12 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
 UNKNOWN = Library("unknown", persistent_upto=0, blocking_above=None)
 
 
+def copies_input(rule: tuple[int, int, int] | None, nodes: int, ranks: int, nbytes: float) -> bool:
+    """Whether ``rule`` (a ``Library.polled_from_copy``) has native poll an all-reduce of ``nbytes`` over ``ranks``
+    ranks on ``nodes`` nodes from a copy of its input (native asks it of a transport, auto's model of a layout)."""
+    return rule is not None and nodes >= rule[0] and ranks >= rule[1] and nbytes > rule[2]
+
+
 @functools.cache
 def library() -> Library:
     """The profile of the MPI library this process runs on (it cannot change while the process lives)."""

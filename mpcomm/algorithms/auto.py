@@ -26,7 +26,7 @@ from .. import topology
 from ..buffers import AVG, LOW_PRECISION, MAX, MIN, SUM
 from ..compression import codec
 from ..kernels import KEY_DTYPES
-from ..mpi_library import Library, library
+from ..mpi_library import Library, copies_input, library
 from ..tuning.table import TABLE_FORMAT, check_table
 from . import KEEP_LOW_PRECISION
 
@@ -417,8 +417,7 @@ class CostModel:
         fresh = n * self.fresh_page_byte if n >= FRESH_PAGES_FROM else 0.0
         polled = layout.num_nodes > 1 or (self.native_polls_shared_cores and layout.ranks_per_core > 1)
         if polled and self.native_polled == "binomial":
-            nodes, ranks, above = self.native_polled_from_copy or (math.inf, math.inf, math.inf)
-            if layout.num_nodes >= nodes and layout.size >= ranks and n > above:
+            if copies_input(self.native_polled_from_copy, layout.num_nodes, layout.size, n):
                 return fresh + n * self.beta + self.rhd(n, layout, self.alpha_native, near_first=True)
             return fresh + self.tree(n, layout, self.alpha_native)
         if layout.num_nodes == 1:

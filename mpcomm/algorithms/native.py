@@ -24,7 +24,7 @@ from mpi4py import MPI
 from ..buffers import AVG, MAX, MIN, PROD, SUM, ReduceOp
 from ..errors import CollectiveMismatchError
 from ..kernels import KEY_DTYPES, finish_floats, from_keys, to_keys
-from ..mpi_library import Library, library
+from ..mpi_library import Library, copies_input, library
 from ..native_calls import load as load_calls
 from ..native_calls import reduction_ops
 from ..transport import Transport
@@ -296,10 +296,7 @@ def polled_from_copy(t: Transport, profile: Library, nbytes: int) -> bool:
     """Whether the non-blocking all-reduce native polls for ``nbytes`` on ``t`` reduces a copy of the input into
     the buffer, not the buffer in place: where the library's profile says it runs a faster algorithm so
     (``Library.polled_from_copy``). The same on every rank."""
-    if profile.polled_from_copy is None:
-        return False
-    nodes, ranks, above = profile.polled_from_copy
-    return ((t.spans_nodes or nodes <= 1) and t.size >= ranks and nbytes > above
+    return (copies_input(profile.polled_from_copy, 2 if t.spans_nodes else 1, t.size, nbytes)
             and not meets_then_blocks(t, profile, nbytes))
 
 
