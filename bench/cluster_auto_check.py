@@ -2,7 +2,8 @@
 
     ci/cluster.sh 2 2 1gbit -- mpiexec -n 4 python bench/cluster_auto_check.py --reps 30 --out check_2x2.md
     mpiexec -n 4 python bench/cluster_auto_check.py --sizes 8,2048,32K,2M,64M    # one host works too
-    ... bench/cluster_auto_check.py --dtype bfloat16 --op sum                    # any dtype and op (default float32 sum)
+    ... bench/cluster_auto_check.py --dtype bfloat16 --op sum           # any dtype and op (default: float32 sum)
+    ... bench/cluster_auto_check.py --dtype float32,int8 --op all       # a matrix, one table per (dtype, op)
 
 mpcomm-bench times blocks of calls per algorithm; on a machine other jobs are loading, one slow block moves a
 whole row, and "auto" timed separately from the algorithm it runs adds a second sample of the same noise. Here
@@ -10,12 +11,16 @@ every repetition runs each algorithm once, in a rotating order, with a barrier b
 a call is the slowest rank's; per algorithm the minimum (what the link and the algorithm allow when nothing
 else gets in the way) and the median over the repetitions are reported. auto's choice (``comm.selector``, no
 tune()) is then judged by the time of the algorithm it chose against the best, by minimum and by median.
-Also printed: the network the communicator measured when it was created.
+Also printed: the network the communicator measured when it was created, and, after the tables, every cell whose
+choice is above ``TARGET`` of the best by median (issue 27's bound), over the (dtype, op) pairs the contract takes.
+``--json`` writes every algorithm's median as mpcomm-bench's rows (``time_us``; ``min_us`` beside it), so that
+``bench/model_picks.py`` judges the model on interleaved runs as on sweeps.
 """
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -23,7 +28,10 @@ from mpi4py import MPI
 from mpcomm import Communicator
 from mpcomm.algorithms import ALLREDUCE
 from mpcomm.bench.cli import DTYPES, REDOPS
-from mpcomm.bench.report import human_bytes
+from mpcomm.buffers import check_dtype_op
+from mpcomm.bench.report import human_bytes, write_json
+
+TARGET = 1.10
 
 
 def sizes(text: str) -> list[int]:
@@ -31,51 +39,86 @@ def sizes(text: str) -> list[int]:
     return [int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s) for s in text.split(",")]
 
 
+def choices(allowed) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of ``allowed`` names, or "all"."""
+    def parse(text: str) -> list[str]:
+        names = list(allowed) if text == "all" else text.split(",")
+        wrong = [name for name in names if name not in allowed]
+        if wrong:
+            raise argparse.ArgumentTypeError(f"{', '.join(wrong)}: not one of {', '.join(allowed)}")
+        return names
+    return parse
+
+
+def interleaved(comm: Communicator, algorithms: list[str], buf: np.ndarray, op: str, reps: int) -> dict:
+    """{algorithm: the slowest rank's time of each of ``reps`` calls, in us}, every algorithm once per repetition
+    in a rotating order, a barrier before each call."""
+    for algorithm in algorithms * 3:  # warm-up: the plan made, and its express call (from the second call)
+        comm.allreduce(buf, op, algorithm=algorithm)
+    times: dict[str, list[float]] = {a: [] for a in algorithms}
+    for rep in range(reps):
+        for algorithm in algorithms[rep % len(algorithms):] + algorithms[:rep % len(algorithms)]:
+            comm.barrier()
+            start = time.perf_counter()
+            comm.allreduce(buf, op, algorithm=algorithm)
+            times[algorithm].append(time.perf_counter() - start)
+    return {a: np.max(comm.mpi.allgather(np.array(t)), axis=0) * 1e6 for a, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=sizes, default=sizes("64K,256K,1M,4M,16M,64M"))
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--out", help="write the markdown table here (rank 0)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--op", choices=REDOPS, default="sum")
+    parser.add_argument("--out", help="write the markdown tables here (rank 0)")
+    parser.add_argument("--json", help="write every algorithm's median and minimum as rows here (rank 0)")
+    parser.add_argument("--dtype", type=choices(sorted(DTYPES)), default=["float32"],
+                        help="comma list, or all (default float32)")
+    parser.add_argument("--op", type=choices(REDOPS), default=["sum"], help="comma list, or all (default sum)")
     args = parser.parse_args()
     comm = Communicator(MPI.COMM_WORLD)
     algorithms = list(ALLREDUCE)
-    dtype, op = np.dtype(DTYPES[args.dtype]), args.op
-    lines = [f"all-reduce of {dtype} {op}, {comm.size} ranks on {comm.num_nodes} nodes of {comm.node_size}; "
-             f"{comm.selector.network or 'one host: no network measured'}; "
-             f"{args.reps} interleaved calls per algorithm and size, time of the slowest rank, in ms "
-             "(min / median)", "",
-             "| size | " + " | ".join(algorithms) + " | auto chose | best (min) | chosen / best, min | "
-             "best (median) | chosen / best, median |",
-             "|---:|" + "---:|" * len(algorithms) + "---|---|---:|---|---:|"]
-    for nbytes in args.sizes:
-        buf = np.zeros(nbytes // dtype.itemsize, dtype)  # in-place reductions of zeros never overflow
-        for algorithm in algorithms:
-            comm.allreduce(buf, op, algorithm=algorithm)  # warm-up
-        times: dict[str, list[float]] = {a: [] for a in algorithms}
-        for rep in range(args.reps):
-            for algorithm in algorithms[rep % len(algorithms):] + algorithms[:rep % len(algorithms)]:
-                comm.barrier()
-                start = time.perf_counter()
-                comm.allreduce(buf, op, algorithm=algorithm)
-                times[algorithm].append(time.perf_counter() - start)
-        slowest = {a: np.max(comm.mpi.allgather(np.array(t)), axis=0) * 1e3 for a, t in times.items()}
-        low = {a: float(t.min()) for a, t in slowest.items()}
-        mid = {a: float(np.median(t)) for a, t in slowest.items()}
-        chosen = comm.selector.choose("allreduce", nbytes, dtype, op)
-        best_low, best_mid = min(low, key=low.get), min(mid, key=mid.get)
-        lines.append(f"| {human_bytes(nbytes)} | " + " | ".join(f"{low[a]:.2f} / {mid[a]:.2f}" for a in algorithms) +
-                     f" | {chosen} | {best_low} | {low[chosen] / low[best_low]:.2f} | {best_mid} | "
-                     f"{mid[chosen] / mid[best_mid]:.2f} |")
-        if comm.rank == 0:
-            print(lines[-1], flush=True)
+    lines, misses, cells, rows = [], [], 0, []
+    for name, op in ((name, op) for name in args.dtype for op in args.op):
+        dtype = np.dtype(DTYPES[name])
+        try:
+            check_dtype_op(dtype, op, "allreduce")
+        except TypeError:
+            continue  # (a pair the contract refuses: avg of integers, min/max of complex, ...)
+        lines += [f"all-reduce of {name} {op}, {comm.size} ranks on {comm.num_nodes} nodes of {comm.node_size}; "
+                  f"{comm.selector.network or 'one host: no network measured'}; {args.reps} interleaved calls per "
+                  "algorithm and size, time of the slowest rank, in us (min / median)", "",
+                  "| size | " + " | ".join(algorithms) + " | auto chose | best (min) | chosen / best, min | "
+                  "best (median) | chosen / best, median |",
+                  "|---:|" + "---:|" * len(algorithms) + "---|---|---:|---|---:|"]
+        for nbytes in args.sizes:
+            buf = np.zeros(nbytes // dtype.itemsize, dtype)  # in-place reductions of zeros never overflow
+            slowest = interleaved(comm, algorithms, buf, op, args.reps)
+            low = {a: float(t.min()) for a, t in slowest.items()}
+            mid = {a: float(np.median(t)) for a, t in slowest.items()}
+            chosen = comm.selector.choose("allreduce", nbytes, dtype, op)
+            best_low, best_mid = min(low, key=lambda a: low[a]), min(mid, key=lambda a: mid[a])
+            ratio = mid[chosen] / mid[best_mid]
+            rows += [{"collective": "allreduce", "size": nbytes, "dtype": name, "redop": op, "algorithm": a,
+                      "time_us": mid[a], "min_us": low[a], "reps": args.reps, "ranks": comm.size,
+                      "nodes": comm.num_nodes} for a in algorithms]
+            cells += 1
+            if ratio > TARGET:
+                misses.append(f"- {name} {op} {human_bytes(nbytes)}: {chosen} {ratio:.2f} of {best_mid}'s median")
+            lines.append(f"| {human_bytes(nbytes)} | " + " | ".join(f"{low[a]:.4g} / {mid[a]:.4g}" for a in algorithms)
+                         + f" | {chosen} | {best_low} | {low[chosen] / low[best_low]:.2f} | {best_mid} | {ratio:.2f} |")
+            if comm.rank == 0:
+                print(lines[-1], flush=True)
+        lines.append("")
+    lines += [f"Cells where auto's choice is above {TARGET} of the best by median: {len(misses)} of {cells}", "",
+              *misses]
     if comm.rank == 0:
         text = "\n".join(lines) + "\n"
         print(text, flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(text)
+        if args.json:
+            write_json(rows, args.json)
 
 
 if __name__ == "__main__":

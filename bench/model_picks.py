@@ -13,6 +13,10 @@ Prints the cells, how many are above 1.10, the geometric mean and the worst, and
 turn is held out and judges two picks per cell by its own times: the measured one (the fastest by the median of
 the other runs: what a table tuned on those runs would run) and the model's. Where the model's count is not above
 the measured picks' count, these runs cannot tell the model from the best any measurement of them gives.
+
+``--picked-by RUNS...`` asks whether two ways of timing agree on the best: the pick of those runs' medians (e.g.
+mpcomm-bench's sweeps, blocks of calls) judged by the medians of the runs given (e.g. ``cluster_auto_check.py
+--json``, calls interleaved), in the cells both timed, beside the model's pick judged the same way.
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ def main() -> None:
     parser.add_argument("--library", choices=sorted(PROFILES), required=True)
     parser.add_argument("--ranks-per-core", type=float, default=1.0)
     parser.add_argument("--held-out", action="store_true", help="also judge by each run held out (see above)")
+    parser.add_argument("--picked-by", nargs="+", metavar="RUN", help="also judge the pick of these runs' medians")
     parser.add_argument("runs", nargs="+")
     args = parser.parse_args()
     collective, ranks, runs = runs_of(args.runs)
@@ -104,6 +109,21 @@ def main() -> None:
                 model_above += times[model_pick(cell, times)] / best > TARGET
         print(f"held out, each run judging: {judged} cells; above {TARGET}: the measured pick (the other runs' "
               f"median best) {measured_above}, the model's {model_above}")
+    if args.picked_by:
+        other_collective, other_ranks, others = runs_of(args.picked_by)
+        if (other_collective, other_ranks) != (collective, ranks):
+            raise SystemExit(f"model_picks.py: --picked-by runs are {other_collective} at p = {other_ranks}, the runs "
+                             f"{collective} at p = {ranks}")
+        picked, judging = median_times(others), median_times(runs)
+        cells = [(cell, {a: us for a, us in times.items() if a in picked[cell]})
+                 for cell, times in judging.items() if cell in picked]
+        above = collections.Counter()
+        for cell, times in cells:
+            best = min(times.values())
+            above["picked"] += times[min(times, key=lambda a: picked[cell][a])] / best > TARGET
+            above["model"] += times[model_pick(cell, times)] / best > TARGET
+        print(f"picked by the other runs' medians, judged by these: {len(cells)} cells; above {TARGET}: their pick "
+              f"{above['picked']}, the model's {above['model']}")
 
 
 if __name__ == "__main__":

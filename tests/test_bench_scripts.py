@@ -149,15 +149,29 @@ def test_ddp_compression_tiny(tmp_path, engine):
     assert out.read_text().startswith(f"# {engine.upper()} gradient compression: mpcomm-train --engine {engine}")
 
 
-def test_cluster_auto_check_times_every_algorithm_on_the_dtype_and_op_asked():
-    """``cluster_auto_check.py --dtype --op``: a row per size, every algorithm timed, auto's choice for that dtype
-    and op named (bfloat16 max here)."""
-    out = _run("bench/cluster_auto_check.py", "--sizes", "8,64K", "--reps", "2", "--dtype", "bfloat16", "--op", "max")
-    assert "all-reduce of bfloat16 max, 2 ranks" in out, out
+def test_cluster_auto_check_times_every_algorithm_on_the_dtype_and_op_asked(tmp_path):
+    """``cluster_auto_check.py --dtype --op``: a table per (dtype, op) of the lists (no avg of an integer dtype), a
+    row per size, every algorithm timed, auto's choice for that dtype and op named; the cells above 1.10 counted;
+    ``--json``: every algorithm's median as rows that ``model_picks.py`` judges."""
+    rows_json = tmp_path / "check.json"
+    out = _run("bench/cluster_auto_check.py", "--sizes", "8,64K", "--reps", "2", "--dtype", "bfloat16,int8", "--op",
+               "max,avg", "--json", str(rows_json))
+    tables = [line.split(",")[0] for line in out.splitlines() if line.startswith("all-reduce of ")]
+    assert tables == ["all-reduce of bfloat16 max", "all-reduce of bfloat16 avg", "all-reduce of int8 max"], out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| 8 B", "| 64 KiB"))]
-    assert len(rows) == 4, out  # (each row printed as measured, then in the table)
+    assert len(rows) == 12, out  # (3 tables x 2 sizes, each row printed as measured, then in the table)
     from mpcomm.algorithms import ALLREDUCE
     assert all(row[1 + len(ALLREDUCE)] in ALLREDUCE for row in rows), rows
+    assert "Cells where auto's choice is above 1.1 of the best by median: " in out and " of 6" in out, out
+    timed = json.loads(rows_json.read_text())
+    assert len(timed) == 6 * len(ALLREDUCE) and {r["redop"] for r in timed} == {"max", "avg"}, timed[:2]
+    assert all(r["min_us"] <= r["time_us"] for r in timed), timed
+    judged = subprocess.run([sys.executable, "bench/model_picks.py", "--library", "mpich", str(rows_json)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert judged.returncode == 0 and "1 runs: 6 cells" in judged.stdout, judged.stdout + judged.stderr
+    bad = subprocess.run([sys.executable, "bench/cluster_auto_check.py", "--op", "sum,mean"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "mean: not one of sum, prod, min, max, avg" in bad.stderr, bad.stderr
 
 
 def test_ddp_auto_onehost_tiny():
@@ -191,7 +205,8 @@ def test_dtype_op_sweep_takes_the_median_of_repeated_runs(tmp_path, monkeypatch)
 def test_model_picks_judges_the_models_pick_by_the_median_time_of_the_runs(tmp_path):
     """``model_picks.py``: per cell, the model's pick among the algorithms the runs timed, judged by its median time
     over the runs against the fastest one's (not auto's own column); with ``--held-out`` each run also judges the
-    other runs' median pick and the model's; runs of different collectives are refused."""
+    other runs' median pick and the model's; with ``--picked-by`` the pick of other runs' medians is judged by these;
+    runs of different collectives are refused."""
     def run(path: Path, native_us: float, collective: str = "allreduce") -> str:
         rows = [{"collective": collective, "ranks": 2, "dtype": "float32", "redop": "sum", "size": 8,
                  "algorithm": name, "time_us": us} for name, us in
@@ -216,3 +231,17 @@ def test_model_picks_judges_the_models_pick_by_the_median_time_of_the_runs(tmp_p
     mixed = subprocess.run([*script, runs[0], run(tmp_path / "rs.json", 5.0, "reduce_scatter")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert mixed.returncode != 0 and "mix collectives or ranks" in mixed.stderr, mixed.stderr
+    # --picked-by: the pick of other runs' medians (native, 5 us there) judged by these runs' medians (native 20 us
+    # against ring's 10: 2x), beside the model's (native too)
+    other = [run(tmp_path / "other.json", 5.0)]
+    cross = subprocess.run([*script, *runs, "--picked-by", *other], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+    assert cross.returncode == 0, cross.stderr
+    assert "judged by these: 1 cells; above 1.1: their pick 1, the model's 1" in cross.stdout, cross.stdout
+    ring_wins = [run(tmp_path / "other.json", 50.0)]  # (their pick: ring, 10 us here too: the best)
+    cross = subprocess.run([*script, *runs, "--picked-by", *ring_wins], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+    assert "judged by these: 1 cells; above 1.1: their pick 0, the model's 1" in cross.stdout, cross.stdout
+    unlike = subprocess.run([*script, *runs, "--picked-by", run(tmp_path / "rs2.json", 5.0, "reduce_scatter")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert unlike.returncode != 0 and "--picked-by runs are reduce_scatter at p = 2" in unlike.stderr, unlike.stderr
