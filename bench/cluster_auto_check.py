@@ -27,16 +27,16 @@ from mpi4py import MPI
 
 from mpcomm import Communicator
 from mpcomm.algorithms import ALLREDUCE
-from mpcomm.bench.cli import DTYPES, REDOPS
-from mpcomm.buffers import check_dtype_op
+from mpcomm.bench.cli import DTYPES, REDOPS, parse_size
 from mpcomm.bench.report import human_bytes, write_json
+from mpcomm.buffers import check_dtype_op
 
 TARGET = 1.10
 
 
 def sizes(text: str) -> list[int]:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    return [int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s) for s in text.split(",")]
+    """A comma list of mpcomm-bench's sizes ('8', '64K', '2M', ...), in bytes."""
+    return [parse_size(size) for size in text.split(",")]
 
 
 def choices(allowed) -> Callable[[str], list[str]]:

@@ -215,33 +215,33 @@ def test_model_picks_judges_the_models_pick_by_the_median_time_of_the_runs(tmp_p
         return str(path)
 
     runs = [run(tmp_path / f"{i}.json", us) for i, us in enumerate((5.0, 20.0, 30.0))]  # (native's median: 20)
-    script = [sys.executable, "bench/model_picks.py", "--library", "mpich"]
-    out = subprocess.run([*script, *runs], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    def picks(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "bench/model_picks.py", "--library", "mpich", *argv], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+
+    out = picks(*runs)
     assert out.returncode == 0, out.stderr
     assert "3 runs: 1 cells, 1 above 1.1, geometric mean 2.000, worst 2.00" in out.stdout, out.stdout
     assert "float32 sum 8: native 2.00" in out.stdout, out.stdout  # (8 B: the model's pick is native)
     # Each run held out judges the others' median pick (ring, 10 us, in every case: native's medians are 25, 17.5,
     # 12.5) and the model's (native): ring is 2x the best in run 0 only, native in runs 1 and 2
-    held = subprocess.run([*script, "--held-out", *runs], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    held = picks("--held-out", *runs)
     assert held.returncode == 0, held.stderr
     assert "held out, each run judging: 3 cells; above 1.1: the measured pick (the other runs' median best) 1, " \
         "the model's 2" in held.stdout, held.stdout
-    two = subprocess.run([*script, "--held-out", *runs[:2]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    two = picks("--held-out", *runs[:2])
     assert two.returncode != 0 and "--held-out needs 3 runs or more" in two.stderr, two.stderr
-    mixed = subprocess.run([*script, runs[0], run(tmp_path / "rs.json", 5.0, "reduce_scatter")], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
+    mixed = picks(runs[0], run(tmp_path / "rs.json", 5.0, "reduce_scatter"))
     assert mixed.returncode != 0 and "mix collectives or ranks" in mixed.stderr, mixed.stderr
     # --picked-by: the pick of other runs' medians (native, 5 us there) judged by these runs' medians (native 20 us
     # against ring's 10: 2x), beside the model's (native too)
     other = [run(tmp_path / "other.json", 5.0)]
-    cross = subprocess.run([*script, *runs, "--picked-by", *other], cwd=ROOT, capture_output=True, text=True,
-                           timeout=60)
+    cross = picks(*runs, "--picked-by", *other)
     assert cross.returncode == 0, cross.stderr
     assert "judged by these: 1 cells; above 1.1: their pick 1, the model's 1" in cross.stdout, cross.stdout
     ring_wins = [run(tmp_path / "other.json", 50.0)]  # (their pick: ring, 10 us here too: the best)
-    cross = subprocess.run([*script, *runs, "--picked-by", *ring_wins], cwd=ROOT, capture_output=True, text=True,
-                           timeout=60)
+    cross = picks(*runs, "--picked-by", *ring_wins)
     assert "judged by these: 1 cells; above 1.1: their pick 0, the model's 1" in cross.stdout, cross.stdout
-    unlike = subprocess.run([*script, *runs, "--picked-by", run(tmp_path / "rs2.json", 5.0, "reduce_scatter")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    unlike = picks(*runs, "--picked-by", run(tmp_path / "rs2.json", 5.0, "reduce_scatter"))
     assert unlike.returncode != 0 and "--picked-by runs are reduce_scatter at p = 2" in unlike.stderr, unlike.stderr
