@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import mpiexec_path, serial_only
@@ -163,15 +164,34 @@ def test_cluster_auto_check_times_every_algorithm_on_the_dtype_and_op_asked(tmp_
     from mpcomm.algorithms import ALLREDUCE
     assert all(row[1 + len(ALLREDUCE)] in ALLREDUCE for row in rows), rows
     assert "Cells where auto's choice is above 1.1 of the best by median: " in out and " of 6" in out, out
+    assert "chosen / best, median (95 %) |" in out and "Of them, above 1.1 over the whole 95 % interval" in out, out
     timed = json.loads(rows_json.read_text())
     assert len(timed) == 6 * len(ALLREDUCE) and {r["redop"] for r in timed} == {"max", "avg"}, timed[:2]
-    assert all(r["min_us"] <= r["time_us"] for r in timed), timed
+    assert all(r["min_us"] <= r["time_us"] and len(r["times_us"]) == 2 for r in timed), timed
     judged = subprocess.run([sys.executable, "bench/model_picks.py", "--library", "mpich", str(rows_json)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert judged.returncode == 0 and "1 runs: 6 cells" in judged.stdout, judged.stdout + judged.stderr
     bad = subprocess.run([sys.executable, "bench/cluster_auto_check.py", "--op", "sum,mean"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "mean: not one of sum, prod, min, max, avg" in bad.stderr, bad.stderr
+
+
+def test_cluster_auto_check_interval_keeps_a_repetition_together_and_picks_the_best_again(monkeypatch):
+    """The interval of chosen / best: a drift that every algorithm of a repetition shares is not spread between
+    them (a chosen 1.2x the best in every repetition stays 1.2, however the repetitions differ), and algorithms
+    timed alike are not told apart by whichever led one sample (its interval reaches down to 1)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import cluster_auto_check
+
+    rng = np.random.default_rng(5)
+    drift = rng.uniform(1.0, 3.0, size=21)
+    low, high = cluster_auto_check.ratio_interval({"ring": 100 * drift, "rhd": 120 * drift}, "rhd")
+    assert low == pytest.approx(1.2) and high == pytest.approx(1.2), (low, high)
+    alike = {name: rng.normal(100, 15, size=21) for name in ("ring", "tree", "rhd", "direct", "native")}
+    medians = {name: np.median(times) for name, times in alike.items()}
+    chosen = max(medians, key=medians.__getitem__)  # the slowest of these repetitions by its median
+    low, high = cluster_auto_check.ratio_interval(alike, chosen)
+    assert medians[chosen] / min(medians.values()) > 1.05 and 1.0 <= low < 1.02 < high, (medians, low, high)
 
 
 def test_ddp_auto_onehost_tiny():
