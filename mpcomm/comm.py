@@ -157,8 +157,8 @@ class Communicator(Dispatcher):
             table = measure.tune(self, measure.DEFAULT_SIZES if sizes is None else sizes, repeats, operations,
                                  dtype, algorithms, verbose)
         finally:
-            self._sync.records.clear()
-            self._sync.records.update(saved)
+            for key, record in self._sync.records.items():  # (in place, as reset_stats)
+                record[:] = saved.get(key, (0, 0, 0.0))
         self._use_table(table, "the table just measured")
         return table
 
@@ -371,10 +371,18 @@ class Communicator(Dispatcher):
     def _planned_allreduce(self, buf, op, algorithm) -> Plan | None:
         """The common call — a host array reduced as it is (no conversion), a plan already made — gets its cached
         plan here, with nothing else looked at (the array may be used as it is if :func:`_as_it_is`); None for
-        anything else (the general path)."""
-        if type(buf) is np.ndarray and type(op) is str and type(algorithm) is str:
-            plan = self._plans.get(("allreduce", buf.dtype, buf.shape, op, algorithm, None))
+        anything else (the general path). A call like the last one (the same dtype, op and algorithm objects, an
+        equal shape) takes the last plan without building the cache's key, the costliest part of a small call."""
+        if type(buf) is not np.ndarray:
+            return None
+        dtype, shape = buf.dtype, buf.shape
+        last_dtype, last_shape, last_op, last_algorithm, last_plan = self._last_allreduce
+        if dtype is last_dtype and op is last_op and algorithm is last_algorithm and shape == last_shape:
+            return last_plan
+        if type(op) is str and type(algorithm) is str:
+            plan = self._plans.get(("allreduce", dtype, shape, op, algorithm, None))
             if plan is not None and plan.direct:
+                self._last_allreduce = (dtype, shape, op, algorithm, plan)
                 return plan
         return None
 

@@ -23,7 +23,7 @@ class Plan:
     """One kind of call: ``fn(transport, *buffers...)`` runs it; ``key`` is its (operation, algorithm) in stats()."""
 
     __slots__ = ("operation", "algorithm", "fn", "rop", "nbytes", "wire", "direct", "key", "label", "signature",
-                 "express", "_digest")
+                 "express", "totals", "_digest")
 
     def __init__(self, operation: str, algorithm: str, array: Any, rop: ReduceOp | None, root: int | None, nbytes: int,
                  host: bool, wire: np.dtype):
@@ -45,6 +45,7 @@ class Plan:
         # The blocking call's whole algorithm as one C call on the Communicator's transport, where it has one
         # (Dispatcher.plan, from algorithms.EXPRESS; run by Dispatcher.run_express)
         self.express: Callable[[Any], Any] | None = None
+        self.totals: list | None = None  # with express: the stats entry it counts into (calls, bytes, seconds)
         self._digest: np.ndarray | None = None
 
     @classmethod
@@ -74,14 +75,14 @@ class Plan:
         plan.operation = plan.algorithm = operation
         plan.fn, plan.rop, plan.nbytes, plan.wire, plan.direct = fn, None, 0, None, True
         plan.key = (operation, "native")
-        plan.signature, plan.label, plan.express, plan._digest = signature, operation, None, None
+        plan.signature, plan.label, plan.express, plan.totals, plan._digest = signature, operation, None, None, None
         return plan
 
     def running(self, fn: Callable[..., Any]) -> "Plan":
         """This plan with ``fn(transport, *buffers)`` in place of its algorithm (e.g. the torch backend's C++ form
         of the same ``native`` all-reduce): same operation, stats key, label and signature."""
         plan = copy.copy(self)
-        plan.fn, plan.express = fn, None
+        plan.fn, plan.express, plan.totals = fn, None, None
         return plan
 
     def compressed(self, wire: str, fn: Callable[..., Any]) -> "Plan":
@@ -89,7 +90,7 @@ class Plan:
         algorithm, called as the plain one): algorithm
         ``compressed:WIRE`` in stats and labels, and the wire in the signature (``validate=True`` compares it)."""
         plan = copy.copy(self)
-        plan.algorithm, plan.express = f"compressed:{wire}", None
+        plan.algorithm, plan.express, plan.totals = f"compressed:{wire}", None, None
         if self.fn is not _nothing:
             plan.fn = fn
         plan.key = (self.operation, plan.algorithm)

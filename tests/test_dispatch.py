@@ -84,6 +84,50 @@ def test_the_footprint_counts_what_is_kept(comm):
         in_step(c.free)
 
 
+def test_an_allreduce_like_the_last_runs_the_choice_of_a_table_loaded_since(tmp_path):
+    """The last all-reduce's plan, taken again for a call like it, is dropped when auto's choices change: after
+    load_tuning() the same kind of array (a new one, of an equal shape) runs the algorithm the table chose."""
+    c, other = Communicator(WORLD, timeout=30), Communicator(WORLD, timeout=30)
+    try:
+        x = np.arange(8, dtype=np.float32) + c.rank
+        expected = np.sum(np.stack(gather(x)), axis=0)
+        first = c.selector.choose("allreduce", x.nbytes, x.dtype, "sum")
+        tuned = "tree" if first != "tree" else "ring"
+        in_step(lambda: other.tune(sizes=(x.nbytes,), repeats=1, algorithms=(tuned,), verbose=False))
+        in_step(lambda: other.save_tuning(str(tmp_path / "tuned.json")))
+        for _ in range(2):  # (the second finds the plan in the cache, and keeps it as the last)
+            np.testing.assert_array_equal(in_step(lambda: c.allreduce(x.copy())), expected)
+        assert in_step(lambda: c.load_tuning(str(tmp_path / "tuned.json")))
+        for _ in range(2):
+            np.testing.assert_array_equal(in_step(lambda: c.allreduce(x.copy())), expected)
+        assert {name: record["calls"] for name, record in c.stats()["allreduce"].items()} == {first: 2, tuned: 2}
+    finally:
+        for comm in (c, other):
+            in_step(comm.free)
+
+
+def test_stats_count_every_call_after_a_reset_and_a_tuning():
+    """reset_stats() and tune() leave the counts that a plan's express call (one C call, p > 1) keeps in its stats
+    entry right: the calls after a reset are counted, tune()'s own are not, the earlier ones are kept."""
+    c = Communicator(WORLD, timeout=30)
+    try:
+        x = np.ones(8, dtype=np.float32)
+        chosen = c.selector.choose("allreduce", x.nbytes, x.dtype, "sum")
+        for _ in range(3):
+            in_step(lambda: c.allreduce(x))
+        assert c.stats()["allreduce"][chosen]["calls"] == 3
+        c.reset_stats()
+        assert c.stats() == {}
+        for _ in range(2):
+            in_step(lambda: c.allreduce(x))
+        assert {name: (record["calls"], record["bytes"]) for name, record in c.stats()["allreduce"].items()} == \
+            {chosen: (2, 64)} and list(c.stats()) == ["allreduce"]
+        in_step(lambda: c.tune(sizes=(x.nbytes,), repeats=1, algorithms=(chosen, "ring"), verbose=False))
+        assert {name: record["calls"] for name, record in c.stats()["allreduce"].items()} == {chosen: 2}
+    finally:
+        in_step(c.free)
+
+
 def test_every_collective_goes_through_run(monkeypatch):
     """The seam a recorder hooks: blocking, non-blocking and the meetings all enter Communicator.run."""
     c = Communicator(WORLD, timeout=30)
