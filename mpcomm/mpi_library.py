@@ -87,9 +87,12 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # more and from 64 KiB, as Rabenseifner's (nbc_iallreduce.c), which on the simulated 2 x 2 cluster took 1.0-1.1x
     # the blocking call at 1-16 MiB, where in place took 2.9-3.0x; on one node (ranks sharing cores) the copy and
     # Rabenseifner's took 1.3-1.4x the binomial in place (openmpi.md, "Stop 51").
+    # Its float sum needing no pass after it, native's avg divides in a pass of its own; timed call by call that
+    # pass took 60-120 ps a byte at 64 KiB-1 MiB (25-45 in blocks of calls), and at 256 KiB the ring, which divides
+    # in its last addition, took 0.53-0.88x native's time in six runs: priced at 60 (dtype_op.md, "Stop 53").
     "openmpi": Library("openmpi", persistent_upto=0, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None), polled_from_copy=(2, 4, 64 << 10),
-                       cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"),
+                       cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"), ("pass_byte", 60e-12),
                                    ("alpha_py_in_node", 10e-6), ("native_int_scale", ()), ("single_copy", True),
                                    ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
 }

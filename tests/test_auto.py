@@ -560,8 +560,8 @@ def test_auto_on_one_open_mpi_node_keeps_native_below_32_mib_and_leaves_it_from_
     """Open MPI at p = 2 on one node: native's sums and maxima are the fastest at 2-16 MiB (its blocking all-reduce),
     the pipelined ring the slowest of mpcomm's there (no overlap on one node), and from 32 MiB native takes ~2x
     mpcomm's ring and rhd (its temporary's fresh pages), and the pipelined ring leads them (its segments reduced in
-    cache); avg at 512 KiB is the ring's (its division rides on the last addition; native's takes a pass of its
-    own): bench/results/openmpi.md, "Stop 32", dtype_op.md, "Stop 34"."""
+    cache); avg at 256-512 KiB is the ring's (its division rides on the last addition; native's takes a pass of its
+    own), at 64 KiB still native's: bench/results/openmpi.md, "Stop 32", dtype_op.md, "Stop 34" and "Stop 53"."""
     selector = openmpi_selector(Layout(2, (2,)))
     for op in ("sum", "max"):
         for dtype in (np.float32, np.float64):
@@ -569,6 +569,9 @@ def test_auto_on_one_open_mpi_node_keeps_native_below_32_mib_and_leaves_it_from_
                 == ["native", "native"]
             assert selector.predict("allreduce", 32 << 20, dtype=np.dtype(dtype), op=op) == "ring_pipelined"
         assert selector.predict("allreduce", 512 << 10, dtype=np.dtype(np.float32), op="avg") in ("ring", "rhd")
+    for dtype in (np.float32, np.float64):
+        assert [selector.predict("allreduce", n, dtype=np.dtype(dtype), op="avg") for n in (64 << 10, 256 << 10)] \
+            == ["native", "ring"]
     in_node, across = selector.model.for_layout(selector.layout), selector.model.for_layout(Layout(4, (2, 2)))
     assert (in_node.overlap, in_node.alpha_py) == (False, selector.model.alpha_py_in_node)
     crowded = selector.model.for_layout(Layout(4, (4,), ranks_per_core=2.0))  # (a step waits for the scheduler)
