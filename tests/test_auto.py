@@ -544,6 +544,23 @@ def openmpi_selector(layout: Layout) -> Selector:
     return Selector(layout=layout, candidates=candidates, model=CostModel.of_library(PROFILES["openmpi"]))
 
 
+@pytest.mark.parametrize("library_name, leaves_native_at", [("mpich", 64 << 10), ("openmpi", 32 << 10)])
+def test_16_bit_all_reduces_leave_native_for_direct_where_widening_them_costs_more(library_name, leaves_native_at):
+    """float16/bfloat16 at p = 2 on one node: native widens them to float32 and back (a work array's round trip at
+    0.2 ns a byte, as calls timed one at a time cost it), direct keeps the 16 bits; direct from 32 KiB on Open MPI
+    and 64 KiB on MPICH, native below (bench/results/dtype_op.md, "Stop 53")."""
+    from mpcomm.buffers import BFLOAT16
+    from mpcomm.mpi_library import PROFILES
+
+    selector = Selector(layout=Layout(2, (2,)), candidates={op: tuple(a) for op, a in REGISTRY.items()},
+                        model=CostModel.of_library(PROFILES[library_name]))
+    for dtype in (np.dtype(np.float16), BFLOAT16):
+        for op in ("sum", "prod", "min", "max"):
+            assert [selector.predict("allreduce", n, dtype=dtype, op=op) for n in (leaves_native_at // 2,
+                                                                                   leaves_native_at)] \
+                == ["native", "direct"], (dtype, op)
+
+
 @pytest.mark.parametrize("nodes", [(2,), (4,), (2, 2)], ids=str)
 def test_native_pays_fresh_pages_for_its_temporary_from_32_mib(nodes):
     """From glibc's largest mmap threshold the library's message-sized temporary is faulted in every call: native

@@ -155,11 +155,12 @@ class CostModel:
     # in (MPICH and Open MPI at p = 2 on one node, 32-64 MiB; openmpi.md, "Stop 32").
     fresh_page_byte: float = 0.19e-9
     # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
-    # buffer: float16 and bfloat16 widened to float32 and narrowed back (the extension's cast16, a work array's
-    # round trip at 64 KiB-4 MiB: bench/results/dtype_op.md, "Stop 33"); one read-modify-write pass (avg's
-    # division); direct's compiled float32 reduction of 16-bit parts, per byte read. (native's NaN check after a
-    # float sum is in native_byte_scale.)
-    widen_byte: float = 0.12e-9
+    # buffer: float16 and bfloat16 widened to float32 and narrowed back (the extension's cast16, a work array's round
+    # trip: 0.12 ns a byte at 64 KiB-4 MiB in blocks of calls, bench/results/dtype_op.md, "Stop 33"; priced at 0.2,
+    # as calls timed one at a time put direct ahead of native at 32 KiB on Open MPI and at 64 KiB on MPICH, p = 2,
+    # "Stop 53"); one read-modify-write pass (avg's division); direct's compiled float32 reduction of 16-bit parts,
+    # per byte read. (native's NaN check after a float sum is in native_byte_scale.)
+    widen_byte: float = 0.2e-9
     pass_byte: float = 40e-12
     kernel16_byte: float = 65e-12
     # native's per-byte cost for integers (and bool, as uint8) of each item size, against floats': MPICH reduces
