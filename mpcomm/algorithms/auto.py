@@ -140,8 +140,9 @@ class CostModel:
     # Reducing a received block of more than ``cache_bytes`` in one pass reads it back from memory, not from cache:
     # ``cold_byte`` more per byte of it. The pipelined ring's segments are reduced as they arrive and never pay it
     # (p = 2 on one node, both libraries: from 32 MiB the ring, rhd and direct took 1-4 ms more than the pipelined
-    # ring, 0.10 ns per byte of their 16-32 MiB chunks, dtype_op.md, "Stop 34"; at 16 MiB, 8 MiB chunks, judged
-    # over twelve runs of sweeps and five of calls one at a time it led too: "Stop 53").
+    # ring, 0.10 ns per byte of their 16-32 MiB chunks, dtype_op.md, "Stop 34"; at 16 MiB, 8 MiB chunks, the model
+    # misses fewer cells with it on both libraries in the sweeps of Stops 34 and 37 and in five runs of calls one at
+    # a time: "Stop 53").
     cache_bytes: float = 4 << 20
     cold_byte: float = 0.1e-9
     # A step of mpcomm's own algorithms on one node, where the library's profile measured it (None: alpha_py).
