@@ -453,10 +453,7 @@ def test_the_pipelined_ring_leads_on_one_node_where_a_chunk_leaves_the_cache(lib
     on MPICH and Open MPI; at 16 MiB the model misses fewer cells with it in every set of runs recorded); at 4-8 MiB
     it stays priced behind the ring, and with ranks sharing cores nothing changes (bench/results/dtype_op.md, "Stop
     34" and "Stop 53"). Every other per-byte term is the textbook's."""
-    from mpcomm.mpi_library import PROFILES
-
-    selector = Selector(layout=Layout(2, (2,)), candidates={op: tuple(a) for op, a in REGISTRY.items()},
-                        model=CostModel.of_library(PROFILES[library_name]))
+    selector = library_selector(library_name, Layout(2, (2,)))
     crowded = Selector(layout=Layout(4, (4,), ranks_per_core=2.0), candidates=selector.candidates,
                        model=selector.model)
     for dtype in (np.float32, np.float64, np.int32, np.int8):
@@ -537,12 +534,12 @@ def test_native_polled_from_a_copy_is_priced_as_rhd_near_halves_first():
     assert wire_only.rhd(big, four_nodes, 0.0, near_first=True) == pytest.approx(wire_only.rhd(big, four_nodes, 0.0))
 
 
-def openmpi_selector(layout: Layout) -> Selector:
-    """The selector Selector.default builds on Open MPI for ``layout`` (its profile's model)."""
+def library_selector(library_name: str, layout: Layout) -> Selector:
+    """The selector Selector.default builds on that MPI library for ``layout`` (its profile's model)."""
     from mpcomm.mpi_library import PROFILES
 
     candidates = {op: tuple(algs) for op, algs in REGISTRY.items()}
-    return Selector(layout=layout, candidates=candidates, model=CostModel.of_library(PROFILES["openmpi"]))
+    return Selector(layout=layout, candidates=candidates, model=CostModel.of_library(PROFILES[library_name]))
 
 
 @pytest.mark.parametrize("library_name, leaves_native_at", [("mpich", 64 << 10), ("openmpi", 32 << 10)])
@@ -551,10 +548,8 @@ def test_16_bit_all_reduces_leave_native_for_direct_where_widening_them_costs_mo
     0.2 ns a byte, as calls timed one at a time cost it), direct keeps the 16 bits; direct from 32 KiB on Open MPI
     and 64 KiB on MPICH, native below (bench/results/dtype_op.md, "Stop 53")."""
     from mpcomm.buffers import BFLOAT16
-    from mpcomm.mpi_library import PROFILES
 
-    selector = Selector(layout=Layout(2, (2,)), candidates={op: tuple(a) for op, a in REGISTRY.items()},
-                        model=CostModel.of_library(PROFILES[library_name]))
+    selector = library_selector(library_name, Layout(2, (2,)))
     for dtype in (np.dtype(np.float16), BFLOAT16):
         for op in ("sum", "prod", "min", "max"):
             assert [selector.predict("allreduce", n, dtype=dtype, op=op) for n in (leaves_native_at // 2,
@@ -580,7 +575,7 @@ def test_auto_on_one_open_mpi_node_keeps_native_below_16_mib_and_leaves_it_from_
     misses fewer cells), and from 32 MiB native takes ~2x mpcomm's ring and rhd (its temporary's fresh pages);
     avg at 256-512 KiB is the ring's (its division rides on the last addition; native's takes a pass of its
     own), at 64 KiB still native's: bench/results/openmpi.md, "Stop 32", dtype_op.md, "Stop 34" and "Stop 53"."""
-    selector = openmpi_selector(Layout(2, (2,)))
+    selector = library_selector("openmpi", Layout(2, (2,)))
     for op in ("sum", "max"):
         for dtype in (np.float32, np.float64):
             assert [selector.predict("allreduce", n, dtype=np.dtype(dtype), op=op) for n in (2 << 20, 8 << 20)] \
@@ -605,10 +600,8 @@ def test_a_large_reduce_scatter_on_one_node_leaves_native(library_name):
     from 2 MiB, and Open MPI's reduce 2.8-4.1x mpcomm's tree, where auto had chosen them at every size; a small one
     stays native, and across nodes the pricing is half an all-reduce's as before (bench/results/dtype_op.md, "Stop
     33: reduce-scatter")."""
-    from mpcomm.mpi_library import PROFILES
-
-    model = CostModel.of_library(PROFILES[library_name])
-    selector = Selector(layout=Layout(2, (2,)), candidates={op: tuple(a) for op, a in REGISTRY.items()}, model=model)
+    selector = library_selector(library_name, Layout(2, (2,)))
+    model = selector.model
     f32 = np.dtype(np.float32)
     assert selector.predict("reduce_scatter", 8 << 10, dtype=f32, op="sum") == "native"
     for n in (2 << 20, 8 << 20, 64 << 20):
