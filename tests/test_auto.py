@@ -28,8 +28,8 @@ from conftest import (
 
 from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY, pipelined
-from mpcomm.algorithms.auto import (FRESH_PAGES_FROM, STEADY, STEADY_MARGIN, TABLE_FORMAT, CostModel, Layout,
-                                   Selector, crossovers)
+from mpcomm.algorithms.auto import (FRESH_PAGES_FROM, STEADY, STEADY_MARGIN, STEPWISE, TABLE_FORMAT, CostModel,
+                                   Layout, Selector, crossovers)
 
 P = WORLD.Get_size()
 
@@ -295,9 +295,9 @@ def test_ranks_sharing_cores_only_slow_the_model():
 
 def test_ranks_sharing_cores_make_a_whole_call_r_times_as_long_on_one_node():
     """On one node (MPICH's model) r ranks per core make every step and every byte of a call r times as long (each
-    rank has 1/r of a core), so they change no choice there (at p = 4 on 2 cores the bytes took 3-4.5x what the
-    alphas alone left them)."""
-    model = replace(CostModel(), cold_byte=0.0)
+    rank has 1/r of a core; at p = 4 on 2 cores the bytes took 3-4.5x what the alphas alone left them), but for
+    the step-by-step algorithms' bytes (``stepwise_shared``, checked apart)."""
+    model = replace(CostModel(), cold_byte=0.0, stepwise_shared=1.0)
     dtypes = [np.dtype(np.float32), np.dtype(np.int8), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)]
     for layout in (lay for lay in MODEL_LAYOUTS if lay.num_nodes == 1):
         own = Layout(layout.size, layout.node_sizes)
@@ -320,7 +320,8 @@ def test_where_the_receiver_copies_a_trees_pairs_need_a_core_each_not_two(p, r, 
 
     assert CostModel.of_library(PROFILES["openmpi"]).single_copy
     assert not CostModel.of_library(PROFILES["mpich"]).single_copy
-    once, twice = replace(CostModel(), cold_byte=0.0, single_copy=True), replace(CostModel(), cold_byte=0.0)
+    once = replace(CostModel(), cold_byte=0.0, single_copy=True, stepwise_shared=1.0)
+    twice = replace(CostModel(), cold_byte=0.0, stepwise_shared=1.0)
     own, shared = Layout(p, (p,)), Layout(p, (p,), ranks_per_core=r)
     for n in MODEL_SIZES:
         alone = once.for_layout(own).tree(n, own)
@@ -409,9 +410,9 @@ def test_model_prices_each_op_and_dtype(layout):
     twice the bytes and numpy's casts); native's float min/max cost what its sum does on one node (mpcomm's own MPI
     ops, no key passes) and a key pass each way more across nodes or without the ops (MPI's), its int8 more per
     byte than its int32, its int32 less than float32 on one node (MPICH's; Open MPI's integers go at its floats'
-    rate); direct's all-reduce, priced as the ring, never displaces another algorithm for any other dtype (float32
-    sum unchanged); its reduce-scatter, one exchange, does from 3 ranks on one node (at p = 4 it was the fastest
-    from 128 KiB: bench/results/dtype_op.md, "Stop 33")."""
+    rate); direct's all-reduce never displaces another algorithm for any other dtype where it is priced as the
+    ring (p = 2, or across nodes; float32 sum unchanged); its reduce-scatter, one exchange, does from 3 ranks on one
+    node (at p = 4 it was the fastest from 128 KiB: bench/results/dtype_op.md, "Stop 33")."""
     from mpcomm.buffers import BFLOAT16
     from mpcomm.mpi_library import PROFILES
 
@@ -438,12 +439,53 @@ def test_model_prices_each_op_and_dtype(layout):
     assert {openmpi.call("allreduce", "native", 1 << 20, layout, np.dtype(d), "sum")
             for d in (np.int8, np.int16, np.int32, np.int64, np.float32)} == \
         {openmpi.call("allreduce", "native", 1 << 20, layout, f32, "sum")}
+    as_the_ring = layout.size == 2 or layout.num_nodes > 1
     for dtype in (f32, np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int8)):
         for op in ("sum", "max", "min", "prod"):
             for n in (8, 4096, 1 << 16, 1 << 20, 1 << 26):
-                assert selector.choose("allreduce", n, dtype, op) == before.choose("allreduce", n, dtype, op)
+                if as_the_ring:
+                    assert selector.choose("allreduce", n, dtype, op) == before.choose("allreduce", n, dtype, op)
     one_node_of_3_or_more = layout.num_nodes == 1 and layout.size > 2
     assert (selector.choose("reduce_scatter", 2 << 20, f32, "sum") == "direct") == one_node_of_3_or_more
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_direct_all_reduces_in_p_steps_on_one_node(p):
+    """direct's all-reduce is one exchange and the ring's p - 1 all-gather steps: on one node p steps' latency, the
+    ring's 2(p - 1) less p - 2, and the ring's bytes; across nodes it is priced as the ring."""
+    model, one_node = CostModel(), Layout(p, (p,))
+    for n in MODEL_SIZES:
+        assert model.allreduce("ring", n, one_node) - model.allreduce("direct", n, one_node) == pytest.approx(
+            (p - 2) * model.alpha_py, rel=1e-9, abs=1e-15), n
+    nodes = Layout.blocks(2 * p, p)
+    for n in MODEL_SIZES:
+        assert model.allreduce("direct", n, nodes) == model.allreduce("ring", n, nodes), n
+
+
+@pytest.mark.parametrize("library_name", ["mpich", "openmpi"])
+def test_with_ranks_sharing_cores_direct_leads_the_step_by_step_algorithms_from_4_mib(library_name):
+    """p = 4 on 2 cores: a rank of the ring, rhd or the tree that waits for its partner's step holds a core the
+    others need; direct's one exchange does not: rhd took a median 1.06-1.16x its time at 2-64 MiB, and direct was
+    within 10 % of the best in 90 of 96 cells at 8-32 MiB (bench/results/dtype_op.md, "Stop 54"). The step-by-step
+    algorithms' bytes cost ``stepwise_shared`` more there, and nowhere else."""
+    selector = library_selector(library_name, Layout(4, (4,), ranks_per_core=2.0))
+    for dtype in (np.float32, np.float64, np.int32, np.int8):
+        for op in ("sum", "max", "prod"):
+            for n in (4 << 20, 8 << 20, 16 << 20, 32 << 20):
+                assert selector.predict("allreduce", n, dtype=np.dtype(dtype), op=op) == "direct", (dtype, op, n)
+    model = CostModel()
+    even = replace(model, stepwise_shared=1.0)
+    for layout in (Layout(4, (4,), ranks_per_core=2.0), Layout(3, (3,), ranks_per_core=1.5)):
+        crowded, flat = model.for_layout(layout), even.for_layout(layout)
+        for algorithm in REGISTRY["allreduce"]:
+            latency = flat.allreduce(algorithm, 0, layout)
+            scale = model.stepwise_shared if algorithm in STEPWISE else 1.0
+            assert crowded.allreduce(algorithm, 1 << 24, layout) - latency == pytest.approx(
+                scale * (flat.allreduce(algorithm, 1 << 24, layout) - latency), rel=1e-12), algorithm
+    for layout in (Layout(4, (4,)), Layout(4, (2, 2), ranks_per_core=2.0)):
+        for algorithm in REGISTRY["allreduce"]:
+            assert model.for_layout(layout).allreduce(algorithm, 1 << 24, layout) == \
+                even.for_layout(layout).allreduce(algorithm, 1 << 24, layout), (layout, algorithm)
 
 
 @pytest.mark.parametrize("library_name", ["mpich", "openmpi"])

@@ -30,6 +30,8 @@ from ..mpi_library import Library, copies_input, library
 from ..tuning.table import TABLE_FORMAT, check_table
 from . import KEEP_LOW_PRECISION
 
+# algorithms whose every step waits for its partner's previous one, reduction included (not direct's one exchange)
+STEPWISE = ("ring", "ring_pipelined", "rhd", "tree", "hierarchical")
 STEADY = ("ring", "ring_pipelined")  # algorithms whose every rank talks to the same two peers all call long
 MEMO_SIZE = 1024  # decisions remembered (Selector.choose): varying sizes must not grow memory
 STEADY_MARGIN = 0.05  # across nodes, a ring this close to the cheapest prediction is preferred (Selector.predict)
@@ -102,9 +104,9 @@ class CostModel:
     defaults are MPICH's; another library's profile replaces them (``mpcomm.mpi_library``: Open MPI's blocking
     all-reduce, which ``native`` makes there for large messages, moves bytes faster than mpcomm's algorithms).
 
-    ``direct`` is priced as the ring: the same bytes and reductions, its p-1 messages posted at once costing about
-    what the ring's p-1 steps do; what sets it apart is that float16/bfloat16 stay 16-bit (:meth:`passes`), so
-    on a tie with the ring (any other dtype) the ring, listed first, is kept.
+    ``direct`` moves and reduces the ring's bytes, on one node in p steps (its exchange, then the ring's
+    all-gather; :meth:`direct`), across nodes priced as the ring; float16/bfloat16 stay 16-bit in it
+    (:meth:`passes`).
 
     Defaults are rough guesses for a shared-memory node and a 100 Gb/s-class network, not measurements;
     ``with_network`` puts a measured network in (``Selector.default`` does so when the ranks span hosts).
@@ -145,6 +147,11 @@ class CostModel:
     # a time: "Stop 53").
     cache_bytes: float = 4 << 20
     cold_byte: float = 0.1e-9
+    # With ranks sharing cores on one node, the per-byte terms of the algorithms that go step by step (``STEPWISE``)
+    # against direct's: a rank waiting for its partner's step spins on a core the others need, where direct's one
+    # exchange lets every rank that runs move all its parts (p = 4 on 2 cores, 2-64 MiB, both libraries: rhd took a
+    # median 1.06-1.16x direct's time, the ring 1.02-1.47x; dtype_op.md, "Stop 54").
+    stepwise_shared: float = 1.1
     # A step of mpcomm's own algorithms on one node, where the library's profile measured it (None: alpha_py).
     alpha_py_in_node: float | None = None
     # The library copies a message between ranks of a node once, the receiver reading the sender's memory (Open
@@ -201,7 +208,8 @@ class CostModel:
         on either library: 35-45 us per step of rhd at p = 4 on 2 cores) and every byte a core moves or reduces takes
         r times as long (``_SHARED_CORE_TERMS``; the network's terms do not), and nothing overlaps: no core is free to
         move one segment while this rank reduces another (measured at p = 4 on 2 cores: rhd's 2 log p steps beat the
-        (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring wins). A block
+        (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring wins; direct's
+        one exchange beat both, ``stepwise_shared``, which :meth:`allreduce` applies). A block
         reduced out of cache costs nothing visible beside those waits (``cold_byte``: at p = 4 on 2 cores rhd,
         reducing 16 MiB halves, kept up with the ring's 8 MiB chunks at 32 MiB; dtype_op.md, "Stop 35"). (With the
         alphas alone scaled, the bytes were priced at a quarter to a third of what they took at p = 4 on 2 cores, and
@@ -239,6 +247,14 @@ class CostModel:
             overlapped = chunk * (b + self.gamma)
         step = a + (pieces - 1) * self.alpha_segment + overlapped
         return gather + (p - 1) * step
+
+    def direct(self, n: float, p: int, crosses: bool, alpha: float) -> float:
+        """Direct reduce-scatter (this rank's segment's p - 1 parts in one exchange, then reduced) and the ring's
+        all-gather: the ring's bytes and reductions in p steps, not 2(p - 1). Across nodes, priced as the ring."""
+        if crosses:
+            return self.ring(n, p, crosses, alpha)
+        chunk = n / p
+        return p * alpha + 2 * (p - 1) * chunk * self.beta + (p - 1) * self._reduce(chunk)
 
     def rhd(self, n: float, layout: Layout, alpha: float, near_first: bool = False) -> float:
         """Recursive halving + doubling over the largest power of two, with the fold for the remainder: the halves
@@ -289,6 +305,11 @@ class CostModel:
 
     # -------------------------------------------------------------- per collective
     def allreduce(self, algorithm: str, nbytes: float, layout: Layout) -> float:
+        if layout.ranks_per_core > 1 and layout.num_nodes == 1 and algorithm in STEPWISE:
+            return self._scaled(lambda m: self._allreduce(algorithm, m, layout), nbytes, self.stepwise_shared)
+        return self._allreduce(algorithm, nbytes, layout)
+
+    def _allreduce(self, algorithm: str, nbytes: float, layout: Layout) -> float:
         p, n = layout.size, float(nbytes)
         if p == 1:
             return 0.0
@@ -307,8 +328,8 @@ class CostModel:
             return self.hierarchical(n, layout)
         if algorithm == "native":
             return self.native_allreduce(n, layout)
-        if algorithm == "direct":  # priced as the ring (see the class docstring)
-            return self.ring(n, p, crosses, self.alpha_py)
+        if algorithm == "direct":
+            return self.direct(n, p, crosses, self.alpha_py)
         return math.inf
 
     def passes(self, operation: str, algorithm: str, nbytes: int, layout: Layout, dtype: np.dtype,
@@ -430,10 +451,15 @@ class CostModel:
                 + self._across(n, layout.num_nodes, 1, self.alpha_native))
 
     def _native_scaled(self, cost, n: float) -> float:
-        """``cost(n)`` (seconds of a scheme run by the MPI library) with its per-byte part, ``cost(n) - cost(0)``,
-        scaled by ``native_byte_scale``."""
+        """``cost(n)`` (seconds of a scheme run by the MPI library) with its per-byte part scaled by
+        ``native_byte_scale``."""
+        return self._scaled(cost, n, self.native_byte_scale)
+
+    @staticmethod
+    def _scaled(cost, n: float, scale: float) -> float:
+        """``cost(n)`` with its per-byte part, ``cost(n) - cost(0)``, times ``scale``."""
         latency = cost(0.0)
-        return latency + self.native_byte_scale * (cost(n) - latency)
+        return latency + scale * (cost(n) - latency)
 
     def collective(self, operation: str, algorithm: str, nbytes: int, layout: Layout) -> float:
         if operation == "allreduce":
