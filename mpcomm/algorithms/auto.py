@@ -147,10 +147,10 @@ class CostModel:
     # a time: "Stop 53").
     cache_bytes: float = 4 << 20
     cold_byte: float = 0.1e-9
-    # With ranks sharing cores on one node, the per-byte terms of the algorithms that go step by step (``STEPWISE``)
-    # against direct's: a rank waiting for its partner's step spins on a core the others need, where direct's one
-    # exchange lets every rank that runs move all its parts (p = 4 on 2 cores, 2-64 MiB, both libraries: rhd took a
-    # median 1.06-1.16x direct's time, the ring 1.02-1.47x; dtype_op.md, "Stop 54").
+    # With ranks sharing cores on one node, an all-reduce's per-byte terms in the algorithms that go step by step
+    # (``STEPWISE``) against direct's: a rank waiting for its partner's step spins on a core the others need, where
+    # direct's one exchange lets every rank that runs move all its parts (p = 4 on 2 cores, 2-64 MiB, both
+    # libraries: rhd took a median 1.06-1.16x direct's time, the ring 1.02-1.47x; dtype_op.md, "Stop 54").
     stepwise_shared: float = 1.1
     # A step of mpcomm's own algorithms on one node, where the library's profile measured it (None: alpha_py).
     alpha_py_in_node: float | None = None
