@@ -207,13 +207,14 @@ class CostModel:
         rank has 1/r of a core while all work at once, so every step's wait for its peer to be scheduled (25 us x r
         on either library: 35-45 us per step of rhd at p = 4 on 2 cores) and every byte a core moves or reduces takes
         r times as long (``_SHARED_CORE_TERMS``; the network's terms do not), and nothing overlaps: no core is free to
-        move one segment while this rank reduces another (measured at p = 4 on 2 cores: rhd's 2 log p steps beat the
-        (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring wins; direct's
-        one exchange beat both, ``stepwise_shared``, which :meth:`allreduce` applies). A block
-        reduced out of cache costs nothing visible beside those waits (``cold_byte``: at p = 4 on 2 cores rhd,
-        reducing 16 MiB halves, kept up with the ring's 8 MiB chunks at 32 MiB; dtype_op.md, "Stop 35"). (With the
-        alphas alone scaled, the bytes were priced at a quarter to a third of what they took at p = 4 on 2 cores, and
-        native kept 16-bit all-reduces of 256 KiB that direct moved in 0.5-0.85x its time; dtype_op.md, "Stop 36".)"""
+        move one segment while this rank reduces another (at p = 4 on 2 cores Stop 35's sweeps put rhd's 2 log p
+        steps ahead of the (pipelined) ring's 2(p-1) from 2 MiB up, where without oversubscription the pipelined ring
+        wins; timed call by call in Stop 54, direct's one exchange led both: ``stepwise_shared``, which
+        :meth:`allreduce` applies). A block reduced out of cache costs nothing visible beside those waits
+        (``cold_byte``: at p = 4 on 2 cores rhd, reducing 16 MiB halves, kept up with the ring's 8 MiB chunks at
+        32 MiB; dtype_op.md, "Stop 35"). (With the alphas alone scaled, the bytes were priced at a quarter to a third
+        of what they took at p = 4 on 2 cores, and native kept 16-bit all-reduces of 256 KiB that direct moved in
+        0.5-0.85x its time; dtype_op.md, "Stop 36".)"""
         r = layout.ranks_per_core
         model = self
         if layout.num_nodes == 1 and not self.overlap_in_node:
