@@ -176,6 +176,24 @@ def test_cluster_auto_check_times_every_algorithm_on_the_dtype_and_op_asked(tmp_
     assert bad.returncode == 2 and "mean: not one of sum, prod, min, max, avg" in bad.stderr, bad.stderr
 
 
+def test_cluster_auto_check_times_the_algorithms_asked_in_their_order(tmp_path):
+    """``--algorithms``: only those are timed, rotated in the order given (the order decides which one runs after
+    which); a cell whose auto choice is not among them is not judged, and says so; a wrong name is one line, exit 2."""
+    rows_json = tmp_path / "check.json"
+    out = _run("bench/cluster_auto_check.py", "--sizes", "8,4M", "--reps", "2", "--algorithms", "ring,direct",
+               "--json", str(rows_json))
+    assert "| size | ring | direct | auto chose |" in out, out
+    timed = json.loads(rows_json.read_text())
+    assert [r["algorithm"] for r in timed] == ["ring", "direct"] * 2, timed
+    cells = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith(("| 8 B", "| 4 MiB"))}
+    assert "(not timed)" in cells["| 8 B"], out  # (auto sends 8 bytes through native or the tree: not timed here)
+    judged = int("(not timed)" not in cells["| 4 MiB"])
+    assert f" of {judged}\n" in out.split("Cells where auto's choice is above")[1], out
+    bad = subprocess.run([sys.executable, "bench/cluster_auto_check.py", "--algorithms", "ring,fastest"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "fastest: not one of" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
 def test_cluster_auto_check_interval_keeps_a_repetition_together_and_picks_the_best_again(monkeypatch):
     """The interval of chosen / best: a drift that every algorithm of a repetition shares is not spread between
     them (a chosen 1.2x the best in every repetition stays 1.2, however the repetitions differ), and algorithms
