@@ -4,12 +4,12 @@
     mpiexec -n 4 python bench/cluster_auto_check.py --sizes 8,2048,32K,2M,64M    # one host works too
     ... bench/cluster_auto_check.py --dtype bfloat16 --op sum           # any dtype and op (default: float32 sum)
     ... bench/cluster_auto_check.py --dtype float32,int8 --op all       # a matrix, one table per (dtype, op)
-    ... bench/cluster_auto_check.py --algorithms ring,direct            # these alone, rotated in this order
+    ... bench/cluster_auto_check.py --algorithms ring,direct            # these alone
 
 mpcomm-bench times blocks of calls per algorithm; on a machine other jobs are loading, one slow block moves a
 whole row, and "auto" timed separately from the algorithm it runs adds a second sample of the same noise. Here
-every repetition runs each algorithm once, in a rotating order, with a barrier before each call, and the time of
-a call is the slowest rank's; per algorithm the minimum (what the link and the algorithm allow when nothing
+every repetition runs each algorithm once, in an order drawn afresh for each repetition (the same on every rank),
+with a barrier before each call, and the time of a call is the slowest rank's; per algorithm the minimum (what the link and the algorithm allow when nothing
 else gets in the way) and the median over the repetitions are reported. auto's choice (``comm.selector``, no
 tune()) is then judged by the time of the algorithm it chose against the best, by minimum and by median.
 Also printed: the network the communicator measured when it was created, and, after the tables, every cell whose
@@ -19,6 +19,10 @@ resample, so a lucky algorithm's lead is not taken as given): a cell whose whole
 is a miss these repetitions show beyond their spread, and those are listed apart.
 ``--json`` writes every algorithm's median as mpcomm-bench's rows (``time_us``; ``min_us`` and the repetitions'
 times, ``times_us``, beside it), so that ``bench/model_picks.py`` judges the model on interleaved runs as on sweeps.
+Why the order is drawn: a call pays for what the call before it left behind, and in a fixed rotation every
+algorithm has the same predecessor each time (with MPICH at p = 2, 512 KiB-1 MiB, whichever ran right after native
+took 1.05-1.3x the time of the same exchanges run after another). ``--rotate`` runs the rotation of the runs
+recorded before Stop 55.
 """
 from __future__ import annotations
 
@@ -54,14 +58,24 @@ def choices(allowed) -> Callable[[str], list[str]]:
     return parse
 
 
-def interleaved(comm: Communicator, algorithms: list[str], buf: np.ndarray, op: str, reps: int) -> dict:
+def orders(algorithms: list[str], reps: int, rotate: bool = False) -> list[list[str]]:
+    """The order of the calls in each repetition: a permutation drawn from a fixed seed (so every rank draws the
+    same), or with ``rotate`` the list rotated by one more place each time (each algorithm after the same one)."""
+    if rotate:
+        return [algorithms[rep % len(algorithms):] + algorithms[:rep % len(algorithms)] for rep in range(reps)]
+    rng = np.random.default_rng(55)
+    return [[algorithms[i] for i in rng.permutation(len(algorithms))] for _ in range(reps)]
+
+
+def interleaved(comm: Communicator, algorithms: list[str], buf: np.ndarray, op: str, reps: int,
+                rotate: bool = False) -> dict:
     """{algorithm: the slowest rank's time of each of ``reps`` calls, in us}, every algorithm once per repetition
-    in a rotating order, a barrier before each call."""
+    in the order ``orders`` gives, a barrier before each call."""
     for algorithm in algorithms * 3:  # warm-up: the plan made, and its express call (from the second call)
         comm.allreduce(buf, op, algorithm=algorithm)
     times: dict[str, list[float]] = {a: [] for a in algorithms}
-    for rep in range(reps):
-        for algorithm in algorithms[rep % len(algorithms):] + algorithms[:rep % len(algorithms)]:
+    for order in orders(algorithms, reps, rotate):
+        for algorithm in order:
             comm.barrier()
             start = time.perf_counter()
             comm.allreduce(buf, op, algorithm=algorithm)
@@ -93,7 +107,9 @@ def main() -> None:
                         help="comma list, or all (default float32)")
     parser.add_argument("--op", type=choices(REDOPS), default=["sum"], help="comma list, or all (default sum)")
     parser.add_argument("--algorithms", type=choices(list(ALLREDUCE)), default=list(ALLREDUCE),
-                        help="comma list, in the order the rotation runs them, or all (default all)")
+                        help="comma list, or all (default all)")
+    parser.add_argument("--rotate", action="store_true",
+                        help="rotate the list (in the order given) instead of drawing each repetition's order")
     args = parser.parse_args()
     comm = Communicator(MPI.COMM_WORLD)
     algorithms = args.algorithms
@@ -106,13 +122,13 @@ def main() -> None:
             continue  # (a pair the contract refuses: avg of integers, min/max of complex, ...)
         lines += [f"all-reduce of {name} {op}, {comm.size} ranks on {comm.num_nodes} nodes of {comm.node_size}; "
                   f"{comm.selector.network or 'one host: no network measured'}; {args.reps} interleaved calls per "
-                  "algorithm and size, time of the slowest rank, in us (min / median)", "",
+                  f"algorithm and size ({'rotated' if args.rotate else 'drawn'} order), time of the slowest rank, in us (min / median)", "",
                   "| size | " + " | ".join(algorithms) + " | auto chose | best (min) | chosen / best, min | "
                   "best (median) | chosen / best, median (95 %) |",
                   "|---:|" + "---:|" * len(algorithms) + "---|---|---:|---|---:|"]
         for nbytes in args.sizes:
             buf = np.zeros(nbytes // dtype.itemsize, dtype)  # in-place reductions of zeros never overflow
-            slowest = interleaved(comm, algorithms, buf, op, args.reps)
+            slowest = interleaved(comm, algorithms, buf, op, args.reps, args.rotate)
             low = {a: float(t.min()) for a, t in slowest.items()}
             mid = {a: float(np.median(t)) for a, t in slowest.items()}
             chosen = comm.selector.choose("allreduce", nbytes, dtype, op)

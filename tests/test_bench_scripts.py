@@ -176,13 +176,13 @@ def test_cluster_auto_check_times_every_algorithm_on_the_dtype_and_op_asked(tmp_
     assert bad.returncode == 2 and "mean: not one of sum, prod, min, max, avg" in bad.stderr, bad.stderr
 
 
-def test_cluster_auto_check_times_the_algorithms_asked_in_their_order(tmp_path):
-    """``--algorithms``: only those are timed, rotated in the order given (the order decides which one runs after
-    which); a cell whose auto choice is not among them is not judged, and says so; a wrong name is one line, exit 2."""
+def test_cluster_auto_check_times_the_algorithms_asked(tmp_path):
+    """``--algorithms``: only those are timed (``--rotate``: in a rotation of the order given); a cell whose auto
+    choice is not among them is not judged, and says so; a wrong name is a usage error, exit 2."""
     rows_json = tmp_path / "check.json"
     out = _run("bench/cluster_auto_check.py", "--sizes", "8,4M", "--reps", "2", "--algorithms", "ring,direct",
-               "--json", str(rows_json))
-    assert "| size | ring | direct | auto chose |" in out, out
+               "--rotate", "--json", str(rows_json))
+    assert "| size | ring | direct | auto chose |" in out and "(rotated order)" in out, out
     timed = json.loads(rows_json.read_text())
     assert [r["algorithm"] for r in timed] == ["ring", "direct"] * 2, timed
     cells = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith(("| 8 B", "| 4 MiB"))}
@@ -192,6 +192,27 @@ def test_cluster_auto_check_times_the_algorithms_asked_in_their_order(tmp_path):
     bad = subprocess.run([sys.executable, "bench/cluster_auto_check.py", "--algorithms", "ring,fastest"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "fastest: not one of" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_cluster_auto_check_draws_each_repetitions_order_the_same_on_every_rank(monkeypatch):
+    """The calls of a repetition run in a drawn order: every algorithm once, after more than one other algorithm
+    over the repetitions (in a rotation each always follows the same one within a repetition), and the same draw
+    every time it is made (every rank must call the same collective next)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import cluster_auto_check
+
+    names = ["ring", "tree", "rhd", "direct", "native"]
+    drawn = cluster_auto_check.orders(names, 30)
+    assert drawn == cluster_auto_check.orders(names, 30) and all(sorted(o) == sorted(names) for o in drawn), drawn
+
+    def predecessors(runs):  # within a repetition
+        pairs = [pair for order in runs for pair in zip(order, order[1:])]
+        return {name: {before for before, after in pairs if after == name} for name in names}
+
+    assert all(len(before) >= 3 for before in predecessors(drawn).values()), predecessors(drawn)
+    rotated = cluster_auto_check.orders(names, 30, rotate=True)
+    assert rotated[1] == names[1:] + names[:1]
+    assert all(len(before) == 1 for before in predecessors(rotated).values() if before), predecessors(rotated)
 
 
 def test_cluster_auto_check_interval_keeps_a_repetition_together_and_picks_the_best_again(monkeypatch):
