@@ -21,7 +21,7 @@ is a miss these repetitions show beyond their spread, and those are listed apart
 times, ``times_us``, beside it), so that ``bench/model_picks.py`` judges the model on interleaved runs as on sweeps.
 Why the order is drawn: a call pays for what the call before it left behind, and in a fixed rotation every
 algorithm has the same predecessor each time (with MPICH at p = 2, 512 KiB-1 MiB, whichever ran right after native
-took 1.05-1.3x the time of the same exchanges run after another). ``--rotate`` runs the rotation of the runs
+took about 1.1x the time of the same exchanges run after another). ``--rotate`` runs the rotation of the runs
 recorded before Stop 55.
 """
 from __future__ import annotations
