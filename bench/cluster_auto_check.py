@@ -9,9 +9,10 @@
 mpcomm-bench times blocks of calls per algorithm; on a machine other jobs are loading, one slow block moves a
 whole row, and "auto" timed separately from the algorithm it runs adds a second sample of the same noise. Here
 every repetition runs each algorithm once, in an order drawn afresh for each repetition (the same on every rank),
-with a barrier before each call, and the time of a call is the slowest rank's; per algorithm the minimum (what the link and the algorithm allow when nothing
-else gets in the way) and the median over the repetitions are reported. auto's choice (``comm.selector``, no
-tune()) is then judged by the time of the algorithm it chose against the best, by minimum and by median.
+with a barrier before each call, and the time of a call is the slowest rank's; per algorithm the minimum (what the
+link and the algorithm allow when nothing else gets in the way) and the median over the repetitions are reported.
+auto's choice (``comm.selector``, no tune()) is then judged by the time of the algorithm it chose against the best,
+by minimum and by median.
 Also printed: the network the communicator measured when it was created, and, after the tables, every cell whose
 choice is above ``TARGET`` of the best by median (issue 27's bound), over the (dtype, op) pairs the contract takes.
 Beside each median ratio, its 95 % interval over the repetitions resampled (the best picked again in each
@@ -122,7 +123,8 @@ def main() -> None:
             continue  # (a pair the contract refuses: avg of integers, min/max of complex, ...)
         lines += [f"all-reduce of {name} {op}, {comm.size} ranks on {comm.num_nodes} nodes of {comm.node_size}; "
                   f"{comm.selector.network or 'one host: no network measured'}; {args.reps} interleaved calls per "
-                  f"algorithm and size ({'rotated' if args.rotate else 'drawn'} order), time of the slowest rank, in us (min / median)", "",
+                  f"algorithm and size ({'rotated' if args.rotate else 'drawn'} order), time of the slowest rank, "
+                  "in us (min / median)", "",
                   "| size | " + " | ".join(algorithms) + " | auto chose | best (min) | chosen / best, min | "
                   "best (median) | chosen / best, median (95 %) |",
                   "|---:|" + "---:|" * len(algorithms) + "---|---|---:|---|---:|"]
