@@ -2,15 +2,17 @@
 
 ``mpiexec -n P python bench/small_messages.py [--calls 3000] [--rounds 7] [--json FILE]``
 
-For each size (8 B .. 4 KiB) and each contender — raw ``MPI.Comm.Allreduce``, raw ``Iallreduce`` + ``Test``
-loop (what a bounded wait costs in MPI alone), ``comm.allreduce`` with ``auto``/``native``/``tree`` (and, marked
-``no trace``, on a Communicator with the flight recorder off: the recorder's cost is the difference; and where
-native's plan makes the call in one C call, that C call alone, the plan's lookup and that call with nothing else (what
-any dispatcher that finds its plan in Python costs at least), and ``run_express``, which adds the lock, the
-recorder's entry and the stats: the rest is ``Communicator.allreduce``'s plan lookup) — times a
-loop of ``--calls`` calls after a barrier, round-robin over the contenders, ``--rounds`` times (so load drift
-hits all alike); a loop's time is the maximum over ranks. Reports the median loop (and min/max as the spread)
-in microseconds per call, and each contender's ratio to raw ``Allreduce`` of the same size in the same run.
+For each size (8 B .. 4 KiB) and each contender — raw ``MPI.Comm.Allreduce``, raw ``Iallreduce`` + ``Test`` loop
+(what a bounded wait costs in MPI alone), raw persistent ``Allreduce_init`` request's ``Start`` + ``Test`` loop (and
+``native_calls.start``, which copies the buffer in and out around it in C: native's persistent way),
+``comm.allreduce`` with ``auto``/``native``/``tree`` (and, marked ``no trace``, on a Communicator with the flight
+recorder off: the recorder's cost is the difference; and where native's plan makes the call in one C call, that C
+call alone, the plan's lookup and that call with nothing else (what any dispatcher that finds its plan in Python
+costs at least), and ``run_express``, which adds the lock, the recorder's entry and the stats: the rest is
+``Communicator.allreduce``'s plan lookup) — times a loop of ``--calls`` calls after a barrier, round-robin over the
+contenders, ``--rounds`` times (so load drift hits all alike); a loop's time is the maximum over ranks. Reports the
+median loop (and min/max as the spread) in microseconds per call, and each contender's ratio to raw ``Allreduce`` of
+the same size in the same run.
 Point to point: a ping-pong between ranks 0 and 1 (``send`` then ``recv``, the partner the reverse), raw
 ``Send``/``Recv`` against ``comm.send``/``comm.recv``; microseconds per round trip.
 """
@@ -26,28 +28,42 @@ from mpi4py import MPI
 
 from mpcomm import Communicator
 from mpcomm.algorithms import EXPRESS
+from mpcomm.native_calls import load as load_calls
 
 SIZES = [8, 64, 512, 4096]
 
 
-def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.ndarray) -> dict:
-    """``untraced``: a Communicator with the flight recorder off, for the recorder's cost in the same run."""
+def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.ndarray, made: list) -> dict:
+    """``untraced``: a Communicator with the flight recorder off, for the recorder's cost in the same run. The
+    persistent request its contenders start is appended to ``made`` (for the caller to free)."""
     world = comm.mpi
+    own = np.empty_like(buf)
+    persistent = world.Allreduce_init(MPI.IN_PLACE, own, MPI.SUM)  # (MPI-4: what native's persistent way starts)
+    made.append(persistent)
+    calls, handle = load_calls(), persistent.py2f()
 
     def iallreduce_test():
         request = world.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
         while not request.Test():
             pass
 
+    def persistent_start_test():
+        persistent.Start()
+        while not persistent.Test():
+            pass
+
     contenders = {
         "raw Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
         "raw Iallreduce+Test": iallreduce_test,
+        "raw persistent Start+Test": persistent_start_test,  # (on its own buffer: no copies)
         "mpcomm auto": lambda: comm.allreduce(buf),
         "mpcomm auto, no trace": lambda: untraced.allreduce(buf),
         "mpcomm native": lambda: comm.allreduce(buf, algorithm="native"),
         "mpcomm native, no trace": lambda: untraced.allreduce(buf, algorithm="native"),
         "mpcomm tree": lambda: comm.allreduce(buf, algorithm="tree"),
     }
+    if calls is not None:  # native_calls.start: buf copied in, started, tested until done, copied back, in C
+        contenders["persistent: C start call"] = lambda: calls.start(handle, own, buf, 0, 1 << 30)
     plan = comm.plan("allreduce", buf, "sum", "native")  # (the plan comm.allreduce(buf, algorithm="native") runs)
     if plan.express is not None:  # the steps of that call: its C call alone, then with run()'s work around it
         def express_call():
@@ -176,12 +192,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     comm = Communicator(MPI.COMM_WORLD)
     untraced = untraced_communicator()
-    world, rows = comm.mpi, []
+    world, rows, made = comm.mpi, [], []
     for nbytes in SIZES:
         buf = np.ones(nbytes // 4, np.float32)
-        for row in summarize(measure(world, allreduce_contenders(comm, untraced, buf), args.calls, args.rounds),
-                             "raw Allreduce"):
+        for row in summarize(measure(world, allreduce_contenders(comm, untraced, buf, made), args.calls,
+                                     args.rounds), "raw Allreduce"):
             rows.append({"test": "allreduce", "bytes": nbytes, **row})
+    for request in made:
+        request.Free()
     if comm.size >= 2:
         for nbytes in (8, 4096):
             buf = np.ones(nbytes // 4, np.float32)
