@@ -27,20 +27,19 @@ import numpy as np
 from mpi4py import MPI
 
 from mpcomm import Communicator
-from mpcomm.algorithms import EXPRESS
+from mpcomm.algorithms import EXPRESS, native
 from mpcomm.native_calls import load as load_calls
 
 SIZES = [8, 64, 512, 4096]
 
 
-def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.ndarray, made: list) -> dict:
-    """``untraced``: a Communicator with the flight recorder off, for the recorder's cost in the same run. The
-    persistent request its contenders start is appended to ``made`` (for the caller to free)."""
+def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.ndarray) -> dict:
+    """``untraced``: a Communicator with the flight recorder off, for the recorder's cost in the same run."""
     world = comm.mpi
-    own = np.empty_like(buf)
-    persistent = world.Allreduce_init(MPI.IN_PLACE, own, MPI.SUM)  # (MPI-4: what native's persistent way starts)
-    made.append(persistent)
-    calls, handle = load_calls(), persistent.py2f()
+    # native's persistent request for buf's all-reduce (made on comm's transport, freed with it; MPI-4)
+    entry = native._persistent_allreduce(comm._sync, buf, MPI.SUM, (buf.size, buf.dtype, "sum", True))
+    persistent, own, handle = entry if entry is not None else (None, None, None)
+    calls = load_calls()
 
     def iallreduce_test():
         request = world.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
@@ -55,15 +54,16 @@ def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.nda
     contenders = {
         "raw Allreduce": lambda: world.Allreduce(MPI.IN_PLACE, buf, MPI.SUM),
         "raw Iallreduce+Test": iallreduce_test,
-        "raw persistent Start+Test": persistent_start_test,  # (on its own buffer: no copies)
         "mpcomm auto": lambda: comm.allreduce(buf),
         "mpcomm auto, no trace": lambda: untraced.allreduce(buf),
         "mpcomm native": lambda: comm.allreduce(buf, algorithm="native"),
         "mpcomm native, no trace": lambda: untraced.allreduce(buf, algorithm="native"),
         "mpcomm tree": lambda: comm.allreduce(buf, algorithm="tree"),
     }
-    if calls is not None:  # native_calls.start: buf copied in, started, tested until done, copied back, in C
-        contenders["persistent: C start call"] = lambda: calls.start(handle, own, buf, 0, 1 << 30)
+    if persistent is not None:
+        contenders["raw persistent Start+Test"] = persistent_start_test  # (on its own buffer: no copies)
+        if calls is not None:  # native_calls.start: buf copied in, started, tested until done, copied back, in C
+            contenders["persistent: C start call"] = lambda: calls.start(handle, own, buf, 0, 1 << 30)
     plan = comm.plan("allreduce", buf, "sum", "native")  # (the plan comm.allreduce(buf, algorithm="native") runs)
     if plan.express is not None:  # the steps of that call: its C call alone, then with run()'s work around it
         def express_call():
@@ -192,14 +192,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     comm = Communicator(MPI.COMM_WORLD)
     untraced = untraced_communicator()
-    world, rows, made = comm.mpi, [], []
+    world, rows = comm.mpi, []
     for nbytes in SIZES:
         buf = np.ones(nbytes // 4, np.float32)
-        for row in summarize(measure(world, allreduce_contenders(comm, untraced, buf, made), args.calls,
-                                     args.rounds), "raw Allreduce"):
+        for row in summarize(measure(world, allreduce_contenders(comm, untraced, buf), args.calls, args.rounds),
+                             "raw Allreduce"):
             rows.append({"test": "allreduce", "bytes": nbytes, **row})
-    for request in made:
-        request.Free()
     if comm.size >= 2:
         for nbytes in (8, 4096):
             buf = np.ones(nbytes // 4, np.float32)
