@@ -1,6 +1,6 @@
 """Small messages: mpcomm's per-call cost against raw mpi4py, measured in one job.
 
-``mpiexec -n P python bench/small_messages.py [--calls 3000] [--rounds 7] [--json FILE]``
+``mpiexec -n P python bench/small_messages.py [--calls 3000] [--rounds 7] [--sizes 8,64,512,4096] [--json FILE]``
 
 For each size (8 B .. 4 KiB) and each contender — raw ``MPI.Comm.Allreduce``, raw ``Iallreduce`` + ``Test`` loop
 (what a bounded wait costs in MPI alone), raw persistent ``Allreduce_init`` request's ``Start`` + ``Test`` loop (and
@@ -189,11 +189,13 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=3000, help="calls per timed loop")
     parser.add_argument("--rounds", type=int, default=7, help="round-robin rounds per size")
     parser.add_argument("--json", help="write the rows here (rank 0)")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="all-reduce bytes, comma-separated "
+                        "(multiples of 4: float32)")
     args = parser.parse_args(argv)
     comm = Communicator(MPI.COMM_WORLD)
     untraced = untraced_communicator()
     world, rows = comm.mpi, []
-    for nbytes in SIZES:
+    for nbytes in map(int, args.sizes.split(",")):
         buf = np.ones(nbytes // 4, np.float32)
         for row in summarize(measure(world, allreduce_contenders(comm, untraced, buf), args.calls, args.rounds),
                              "raw Allreduce"):

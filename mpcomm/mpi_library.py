@@ -56,15 +56,17 @@ class Library:
 
 
 PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
-    # Persistent requests are off on both until two calls of one (count, dtype, op) in flight at once (a
-    # non-blocking collective beside a blocking one) get requests of their own: sharing one deadlocked them. (With
-    # native_calls' C call they saved nothing end to end on Open MPI at 8 B-4 KiB: their lookup costs as much.)
+    # A persistent request, started in the plan's express C call (no lookup), saves 0.3-0.4 us a call up to 4 KiB,
+    # and ties from 8 KiB (openmpi.md, "Stop 57"). Every call of one kind on a transport starts the same request,
+    # so none may be in flight beside another: the torch backend's C++ all-reduce (an Iallreduce, which would not
+    # pair with it) leaves these sizes to the Communicator, whose calls on a transport run one at a time.
     # MPICH runs a user op's large all-reduce by another algorithm, slower than its SUM and the NaN pass after it
     # from 256 KiB to 1 MiB at p = 2, and its small non-blocking one 0.1 us slower up to 2 KiB, where the NaN pass
     # costs less; between them the op is the faster (min/max: faster than keys at every size).
-    "mpich": Library("mpich", persistent_upto=0, blocking_above=None, min_max_op=True,
+    "mpich": Library("mpich", persistent_upto=4 << 10, blocking_above=None, min_max_op=True,
                      arithmetic_op_bytes=(2 << 10, 128 << 10)),
-    # libnbc builds a schedule per Iallreduce (persistent requests would save it; off, see above): from 4 KiB (its
+    # libnbc builds a schedule per Iallreduce, which a persistent request builds once: up to 2 KiB it runs at 1.2x
+    # the blocking Allreduce where libnbc's Iallreduce takes 1.5-1.8x (openmpi.md, "Stop 57"). From 4 KiB (its
     # shared memory's eager limit: 4.6 us at 4000 B, 10 us at 4096) it runs 1.3-1.9x behind the meeting and the
     # blocking call in one C call on an idle node; below, the meeting costs ~1.3 us more than it saves.
     # Open MPI runs a user op as fast as its SUM at every size, so a float sum needs no NaN pass after it; then
@@ -90,7 +92,7 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # Its float sum needing no pass after it, native's avg divides in a pass of its own; timed call by call that
     # pass took 60-120 ps a byte at 64 KiB-1 MiB (25-45 in blocks of calls), and at 256 KiB the ring, which divides
     # in its last addition, took 0.53-0.88x native's time in six runs: priced at 60 (dtype_op.md, "Stop 53").
-    "openmpi": Library("openmpi", persistent_upto=0, blocking_above=(4 << 10) - 1, min_max_op=True,
+    "openmpi": Library("openmpi", persistent_upto=2 << 10, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None), polled_from_copy=(2, 4, 64 << 10),
                        cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"), ("pass_byte", 60e-12),
                                    ("alpha_py_in_node", 10e-6), ("native_int_scale", ()), ("single_copy", True),

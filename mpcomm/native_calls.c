@@ -277,20 +277,60 @@ static int meeting_of(PyObject *array, Py_buffer *meeting) {
     return 0;
 }
 
+/* The persistent all-reduce of start() and express(): the request of Fortran handle `handle`, made in place over
+ * `own_object`, started on the values of `buf` (writable, C-contiguous): copied into own, started, tested. True once
+ * done, the result copied back into `buf` (and `finished`); False while it runs; NotImplemented, with nothing
+ * started, for a format or a finish this does not take. */
+static PyObject *start_view(long handle, PyObject *own_object, Py_buffer *buf, long finish, long tests) {
+    Py_buffer own;
+    if (PyObject_GetBuffer(own_object, &own, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    PyObject *result = NULL;
+    int floats, code;
+    Py_ssize_t parts;
+    if (datatype_of(&own, &floats, &parts) == MPI_DATATYPE_NULL || !can_finish(finish, floats, parts)) {
+        result = Py_NewRef(Py_NotImplemented);
+    } else if (own.len != buf->len) {
+        PyErr_Format(PyExc_ValueError, "start: the request's buffer has %zd bytes, the call's %zd", own.len, buf->len);
+    } else {
+        memcpy(own.buf, buf->buf, (size_t)buf->len);
+        MPI_Request request = MPI_Request_f2c((MPI_Fint)handle);
+        if ((code = MPI_Start(&request)) != MPI_SUCCESS) {
+            failed(code);
+        } else if (done_after(&request, tests, &code)) {
+            memcpy(buf->buf, own.buf, (size_t)buf->len);
+            finished(buf->buf, own.len / own.itemsize * parts, floats, finish);
+            result = Py_NewRef(Py_True);
+        } else {
+            result = code == MPI_SUCCESS ? Py_NewRef(Py_False) : failed(code);
+        }
+    }
+    PyBuffer_Release(&own);
+    return result;
+}
+
 /* express(bound, buf): allreduce(comm, buf, op, finish, tests) with bound = (comm, op, finish, tests), or
- * meet_allreduce(comm, buf, op, finish, tests, kind, meeting) with bound = (comm, op, finish, tests, kind, meeting):
- * the arguments one plan's calls share (algorithms/native.py's express: functools.partial(express, bound) is the
- * call), and NotImplemented, with nothing sent, for a buffer that is not writable and C-contiguous too. */
+ * meet_allreduce(comm, buf, op, finish, tests, kind, meeting) with bound = (comm, op, finish, tests, kind, meeting),
+ * or start(request, own, buf, finish, tests) with bound = (persistent, finish, tests), `persistent` the list
+ * [request, own, handle] of a persistent all-reduce (None once done, not True): the arguments one plan's calls share
+ * (algorithms/native.py's express: functools.partial(express, bound) is the call), and NotImplemented, with nothing
+ * sent, for a buffer that is not writable and C-contiguous too, or a persistent request not made (an empty list). */
 static PyObject *express(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     Py_ssize_t size = nargs == 2 && PyTuple_CheckExact(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
-    if (size != 4 && size != 6) {
-        PyErr_SetString(PyExc_TypeError, "express((comm, op, finish, tests[, kind, meeting]), buf)");
+    if (size != 3 && size != 4 && size != 6) {
+        PyErr_SetString(PyExc_TypeError, "express((comm, op, finish, tests[, kind, meeting]) | (persistent, finish, "
+                                         "tests), buf)");
         return NULL;
     }
+    PyObject *persistent = size == 3 ? PyTuple_GET_ITEM(args[0], 0) : NULL;
+    if (persistent != NULL && !(PyList_CheckExact(persistent) && PyList_GET_SIZE(persistent) == 3))
+        return Py_NewRef(Py_NotImplemented);
     long bound[5];
-    for (int i = 0; i < (size == 4 ? 4 : 5); i++)
-        if ((bound[i] = PyLong_AsLong(PyTuple_GET_ITEM(args[0], i))) == -1 && PyErr_Occurred()) return NULL;
+    for (int i = 0; i < (size == 6 ? 5 : size); i++)
+        if ((bound[i] = PyLong_AsLong(persistent != NULL && i == 0 ? PyList_GET_ITEM(persistent, 2)
+                                                                   : PyTuple_GET_ITEM(args[0], i))) == -1
+            && PyErr_Occurred())
+            return NULL;
     Py_buffer view, meeting;
     if (size == 6 && !meeting_of(PyTuple_GET_ITEM(args[0], 5), &meeting)) return NULL;
     PyObject *result;
@@ -298,8 +338,17 @@ static PyObject *express(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_Clear();
         result = Py_NewRef(Py_NotImplemented);
     } else {
-        result = size == 4 ? allreduce_view(bound[0], &view, bound[1], bound[2], bound[3])
-                           : meet_allreduce_view(bound[0], &view, bound[1], bound[2], bound[3], bound[4], meeting.buf);
+        if (size == 3) {
+            result = start_view(bound[0], PyList_GET_ITEM(persistent, 1), &view, bound[1], bound[2]);
+            if (result == Py_True) {
+                Py_DECREF(result);
+                result = Py_NewRef(Py_None);
+            }
+        } else {
+            result = size == 4 ? allreduce_view(bound[0], &view, bound[1], bound[2], bound[3])
+                               : meet_allreduce_view(bound[0], &view, bound[1], bound[2], bound[3], bound[4],
+                                                     meeting.buf);
+        }
         PyBuffer_Release(&view);
     }
     if (size == 6) PyBuffer_Release(&meeting);
@@ -334,43 +383,16 @@ static PyObject *meet_allreduce(PyObject *self, PyObject *const *args, Py_ssize_
     return result;
 }
 
-/* start(request, own, buf, finish, tests): a persistent all-reduce (the Fortran handle of one made in place over
- * `own`) started on `buf`'s values: copied into own, started, tested. True once done, the result copied back into
- * `buf` (and `finished`); False while it runs (the caller waits, copies and finishes); NotImplemented, with nothing
- * started, for a format or a finish this does not take. */
+/* start(request, own, buf, finish, tests): start_view of `buf`. */
 static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     long handle, tests, finish;
     if (!shared_arguments(args, nargs, 5, "start(request, own, buf, finish, tests)", &handle, &finish, &tests))
         return NULL;
-    Py_buffer own, buf;
-    if (PyObject_GetBuffer(args[1], &own, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
-    if (PyObject_GetBuffer(args[2], &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-        PyBuffer_Release(&own);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    int floats, code;
-    Py_ssize_t parts;
-    if (datatype_of(&own, &floats, &parts) == MPI_DATATYPE_NULL || !can_finish(finish, floats, parts)) {
-        result = Py_NewRef(Py_NotImplemented);
-    } else if (own.len != buf.len) {
-        PyErr_Format(PyExc_ValueError, "start: the request's buffer has %zd bytes, the call's %zd", own.len, buf.len);
-    } else {
-        memcpy(own.buf, buf.buf, (size_t)buf.len);
-        MPI_Request request = MPI_Request_f2c((MPI_Fint)handle);
-        if ((code = MPI_Start(&request)) != MPI_SUCCESS) {
-            failed(code);
-        } else if (done_after(&request, tests, &code)) {
-            memcpy(buf.buf, own.buf, (size_t)buf.len);
-            finished(buf.buf, own.len / own.itemsize * parts, floats, finish);
-            result = Py_NewRef(Py_True);
-        } else {
-            result = code == MPI_SUCCESS ? Py_NewRef(Py_False) : failed(code);
-        }
-    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[2], &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    PyObject *result = start_view(handle, args[1], &buf, finish, tests);
     PyBuffer_Release(&buf);
-    PyBuffer_Release(&own);
     return result;
 }
 
@@ -406,8 +428,8 @@ static PyMethodDef methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))allreduce, METH_FASTCALL,
      "allreduce(comm, buf, op, finish, tests) -> None (done) | request handle | NotImplemented"},
     {"express", (PyCFunction)(void (*)(void))express, METH_FASTCALL,
-     "express((comm, op, finish, tests[, kind, meeting]), buf) -> allreduce(comm, buf, op, finish, tests) | "
-     "meet_allreduce(comm, buf, op, finish, tests, kind, meeting)"},
+     "express((comm, op, finish, tests[, kind, meeting]) | (persistent, finish, tests), buf) -> allreduce(comm, buf, "
+     "op, finish, tests) | meet_allreduce(comm, buf, op, finish, tests, kind, meeting) | start(...)"},
     {"meet_allreduce", (PyCFunction)(void (*)(void))meet_allreduce, METH_FASTCALL,
      "meet_allreduce(comm, buf, op, finish, tests, kind, meeting) -> None (done) | False (they differ) | request "
      "handle | NotImplemented"},

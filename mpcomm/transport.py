@@ -81,7 +81,8 @@ class Transport:
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
         self.spins_before_yield, self.quick_tests = _SPINS_BEFORE_YIELD, _QUICK_TESTS
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
-        # The MPI library's persistent collectives made on this communicator, with their buffers (algorithms/native)
+        # The MPI library's persistent all-reduces made on this communicator: kind -> [request, its buffer, its
+        # Fortran handle], emptied in place when freed (plans' express calls hold the list), or None (algorithms/native)
         self.persistent_requests: dict = {}
         # mpcomm's reductions as MPI ops (native_calls) that every rank agreed it has, where the Communicator asked
         # when it made this transport (algorithms.native.agree_on_ops); none elsewhere
@@ -308,15 +309,18 @@ class Transport:
             if sub is not None:
                 sub.free()
         self.free_persistent_requests()
+        self.persistent_requests.clear()
         if self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
 
     def free_persistent_requests(self) -> None:
-        """Free the persistent requests made on this transport (none may be active: every wait for one returned)."""
+        """Free the persistent requests made on this transport (none may be active: every wait for one returned),
+        emptying their entries in place: the express calls bound to one find it empty and go the general way, which
+        makes it again."""
         for entry in self.persistent_requests.values():
-            if entry is not None:
+            if entry:
                 entry[0].Free()
-        self.persistent_requests.clear()
+                entry.clear()
 
     # ------------------------------------------------------------------ internals
     def _wire(self, buf) -> list:

@@ -136,17 +136,17 @@ def test_a_silent_rank_times_out(way):
     assert_every_waiting_rank_timed_out(silence, ["allreduce[native]"])
 
 
-EXPRESS_WAYS = ["nonblocking", "meet+blocking"]  # (native's ways that its one C call makes whole)
+EXPRESS_WAYS = ["nonblocking", "meet+blocking", "persistent"]  # (native's ways that its one C call makes whole)
 
 
 def express_way(monkeypatch, way: str) -> int:
     """native forced to wait in ``way`` (of EXPRESS_WAYS) at every size; the length of the arguments its express
-    call binds in that way (the one C call's 4, the meeting's 6)."""
+    call binds in that way (the one C call's 4, the meeting's 6, the persistent request's 3)."""
     if native_calls.load() is None:
         pytest.skip("native_calls is not built here")
     profile = forced(way)
     monkeypatch.setattr(native, "library", lambda: profile)
-    return 6 if way == "meet+blocking" else 4
+    return {"meet+blocking": 6, "persistent": 3}.get(way, 4)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -400,31 +400,45 @@ def test_a_rank_without_mpcomms_ops_makes_every_rank_do_without(monkeypatch):
 
 
 def test_persistent_requests_are_kept_per_kind_and_freed(monkeypatch):
-    """Past the number kept, all are freed and made again (every rank alike): results stay right throughout."""
+    """Past the number kept, all are freed and made again (every rank alike): results stay right throughout, and an
+    express call whose request was freed goes the general way once, which makes it again for the call after."""
     profile = forced("persistent")
     monkeypatch.setattr(native, "library", lambda: profile)
     comm = Communicator(WORLD)
     kept = comm._sync.persistent_requests
     counts = range(1, native._PERSISTENT_KEPT + 10)
+    runs = []
+    run_plan = comm.run
+    monkeypatch.setattr(comm, "run", lambda *args, **kwargs: runs.append(args[0]) or run_plan(*args, **kwargs))
+
+    def made() -> int:
+        return sum(1 for persistent in kept.values() if persistent)
+
     try:
         def run():
             results = []
             for n in counts:
                 x = make_input(np.float64, "sum", (n,), comm.rank, seed=n)
                 y = comm.allreduce(x.copy(), algorithm="native")
-                results.append((x, y, len(kept)))
+                results.append((x, y, made()))
             comm.allreduce(np.ones(counts[-1]), algorithm="native")  # a kind kept already: no new request
-            return results, len(kept)
+            made_after, ran = made(), len(runs)
+            again = [comm.allreduce(np.full(1, comm.rank + 1.0), algorithm="native") for _ in range(2)]  # freed
+            return results, made_after, ran, len(runs), again
 
-        mine, size_after = in_step(run)
+        mine, made_after, ran, ran_again, again = in_step(run)
         everyone = gather(np.concatenate([y for _, y, _ in mine]))
         inputs = gather(np.concatenate([x for x, _, _ in mine]))
     finally:
         comm.free()
     assert max(n for _, _, n in mine) <= native._PERSISTENT_KEPT
-    assert size_after == len(counts) - native._PERSISTENT_KEPT if P > 1 else size_after == 0
+    assert made_after == len(counts) - native._PERSISTENT_KEPT if P > 1 else made_after == 0
     np.testing.assert_allclose(everyone[0], np.sum(inputs, axis=0), rtol=1e-12)
     assert all(e.tobytes() == everyone[0].tobytes() for e in everyone)
+    for y in again:
+        np.testing.assert_array_equal(y, [P * (P + 1) / 2])
+    if P > 1 and native_calls.load() is not None:
+        assert ran == len(counts) and ran_again == ran + 1, (ran, ran_again)
     assert kept == {}, "free() left persistent requests behind"
 
 

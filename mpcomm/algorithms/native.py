@@ -63,25 +63,30 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
 
 def express(t: Transport, buf, op: ReduceOp) -> Callable[[Any], Any] | None:
     """native's whole all-reduce of host arrays of ``buf``'s count, dtype and op on ``t`` as one C call
-    (``native_calls.express``), where that call does all :func:`allreduce` does: native waits in the one C call, or
-    meets and blocks in it (:func:`_way`), which also finishes what is left (avg's division, the NaN pass). Called on
-    an array, it returns None once done, NotImplemented (nothing sent) for an array it does not take (not writable
-    and C-contiguous), else what is left for :func:`complete`: the request still running, or the meeting's (or
-    False: the ranks disagree). None where there is no such call (nor for p = 1 or an empty array, which send
-    nothing)."""
+    (``native_calls.express``), where that call does all :func:`allreduce` does: native waits in the one C call,
+    starts its persistent request in it, or meets and blocks in it (:func:`_way`), which also finishes what is left
+    (avg's division, the NaN pass). Called on an array, it returns None once done, NotImplemented (nothing sent) for
+    an array it does not take (not writable and C-contiguous) or where the persistent request is not made yet, else
+    what is left for :func:`complete`: the request still running, or the meeting's (or False: the ranks disagree).
+    None where there is no such call (nor for p = 1 or an empty array, which send nothing)."""
     calls, nbytes = load_calls(), buf.nbytes
     taken = calls is not None and type(buf) is np.ndarray and buf.dtype in _C_DTYPES and t.size > 1 and nbytes
     how = _how(t, buf, op) if taken else None
     if how is None:
         return None
     way = _way(t, nbytes, calls)
-    if way not in (_ONE_CALL, _MEET):
+    if way not in (_ONE_CALL, _MEET, _PERSISTENT) or (way == _PERSISTENT and nbytes > _ONE_CALL_UPTO):
         return None
     mpi_op, finish, nan_pass = how
     if finish == 0 and (op.divisor != 1 or nan_pass):  # (a pass left after the call)
         return None
     bound: tuple
-    if way == _MEET:
+    if way == _PERSISTENT:
+        persistent = t.persistent_requests.setdefault(_persistent_key(buf, op, mpi_op), [])
+        if persistent is None:  # (the library has none)
+            return None
+        bound = (persistent, finish, t.quick_tests * _C_TESTS)  # (filled where it is made: _persistent_allreduce)
+    elif way == _MEET:
         bound = (t.fortran, mpi_op.py2f(), finish, _MEETING_TESTS, _kind(buf.dtype, op.name), _meeting(t))
     else:
         bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * _C_TESTS)
@@ -90,13 +95,17 @@ def express(t: Transport, buf, op: ReduceOp) -> Callable[[Any], Any] | None:
 
 def complete(t: Transport, buf, op: ReduceOp, outcome) -> None:
     """The rest of an all-reduce whose :func:`express` call returned ``outcome``: its request still running, waited
-    for within the deadline; or its meeting's, waited for, then compared and the blocking call made (False: the
-    ranks disagree, CollectiveMismatchError). Then finished as the call would have."""
+    for within the deadline (a persistent one's result then copied back); or its meeting's, waited for, then
+    compared and the blocking call made (False: the ranks disagree, CollectiveMismatchError). Then finished as the
+    call would have."""
     how = _how(t, buf, op)
     assert how is not None  # (express calls are only made where it is not)
     mpi_op, finish, nan_pass = how
-    if _way(t, buf.nbytes, load_calls()) == _MEET:
+    way = _way(t, buf.nbytes, load_calls())
+    if way == _MEET:
         _after_meeting(t, buf, op, mpi_op, outcome)
+    elif way == _PERSISTENT:
+        _wait_started(t, buf, t.persistent_requests[_persistent_key(buf, op, mpi_op)])
     else:
         t.wait_one(MPI.Request.f2py(outcome))
     _finish(buf, op, nan_pass)
@@ -204,7 +213,7 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, finish: int = 0, mpi_op
         calls = load_calls()
         way = _way(t, buf.nbytes, calls)
         if way == _PERSISTENT:
-            key = (buf.size, buf.dtype, op.name, mpi_op is op.mpi)
+            key = _persistent_key(buf, op, mpi_op)
             persistent = t.persistent_requests.get(key) or _persistent_allreduce(t, buf, mpi_op, key)
             if persistent is not None:
                 return _start(t, buf, persistent, calls if buf.nbytes <= _ONE_CALL_UPTO else None, finish)
@@ -300,7 +309,7 @@ def polled_from_copy(t: Transport, profile: Library, nbytes: int) -> bool:
             and not meets_then_blocks(t, profile, nbytes))
 
 
-def _start(t: Transport, buf, persistent: tuple, calls, finish: int) -> bool:
+def _start(t: Transport, buf, persistent: list, calls, finish: int) -> bool:
     """``buf`` <- the all-reduce of ``persistent`` (request, its buffer, its Fortran handle) started on ``buf``'s
     values; True if it was also finished as ``finish`` asks (in ``native_calls``' one call)."""
     request, own, handle = persistent
@@ -311,10 +320,16 @@ def _start(t: Transport, buf, persistent: tuple, calls, finish: int) -> bool:
         done, finish = False, 0
     if done:
         return finish != 0
+    _wait_started(t, buf, persistent)
+    return False
+
+
+def _wait_started(t: Transport, buf, persistent: list) -> None:
+    """``buf`` <- the result of ``persistent``'s all-reduce, started, once done within the deadline."""
+    request, own, _ = persistent
     if not (request.Test() or request.Test()):  # (not wait_one: a timeout would cancel the request,
         t.poll_until(request.Test, t.others)  # and MPICH aborts on MPI_Cancel of a persistent collective)
     buf[...] = own
-    return False
 
 
 def _wait(t: Transport, request) -> None:
@@ -322,22 +337,31 @@ def _wait(t: Transport, request) -> None:
         t.wait_one(request)
 
 
-def _persistent_allreduce(t: Transport, buf, mpi_op, key: tuple):
-    """The (request, its buffer, its Fortran handle) of this transport's persistent all-reduce of ``buf``'s count,
-    dtype and op (``key``), made on first use; None where the library has none (every rank alike: it is the same
-    library). Made in the order of the calls, the same on every rank; past ``_PERSISTENT_KEPT`` kinds all are freed
-    (the same on every rank)."""
+def _persistent_key(buf, op: ReduceOp, mpi_op) -> tuple:
+    """The kind of a persistent all-reduce: count, dtype, op and whether the library's own MPI op reduces it."""
+    return buf.size, buf.dtype, op.name, mpi_op is op.mpi
+
+
+def _persistent_allreduce(t: Transport, buf, mpi_op, key: tuple) -> list | None:
+    """The [request, its buffer, its Fortran handle] of this transport's persistent all-reduce of ``buf``'s count,
+    dtype and op (``key``), made on first use into the list kept for ``key`` (an express call may hold it already);
+    None where the library has none (every rank alike: it is the same library). Made in the order of the calls, the
+    same on every rank; past ``_PERSISTENT_KEPT`` kinds made all are freed (the same on every rank)."""
     kept = t.persistent_requests
-    if key not in kept:
-        if len(kept) >= _PERSISTENT_KEPT:
-            t.free_persistent_requests()
-        own = np.empty_like(buf)
-        try:
-            request = t.mpi.Allreduce_init(MPI.IN_PLACE, own, mpi_op)
-            kept[key] = (request, own, request.py2f())
-        except (NotImplementedError, MPI.Exception):  # an MPI before MPI-4 (or built without it)
-            kept[key] = None
-    return kept[key]
+    persistent = kept.get(key)
+    if persistent is None and key in kept:
+        return None
+    if sum(1 for made in kept.values() if made) >= _PERSISTENT_KEPT:
+        t.free_persistent_requests()
+    own = np.empty_like(buf)
+    try:
+        request = t.mpi.Allreduce_init(MPI.IN_PLACE, own, mpi_op)
+    except (NotImplementedError, MPI.Exception):  # an MPI before MPI-4 (or built without it)
+        kept[key] = None
+        return None
+    persistent = kept.setdefault(key, [])
+    persistent[:] = (request, own, request.py2f())
+    return persistent
 
 
 def _meet_then_block(t: Transport, buf, op: ReduceOp, mpi_op, finish: int) -> bool:
