@@ -272,19 +272,21 @@ def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("way", EXPRESS_WAYS)
 @pytest.mark.parametrize("dtype,op", LATE_CASES, ids=map(pair_id, LATE_CASES))
-def test_a_rank_late_to_an_express_call_is_waited_for_then_finished(monkeypatch, dtype, op, way):
+@pytest.mark.parametrize("shape", [(12,), (3, 4)], ids=str)
+def test_a_rank_late_to_an_express_call_is_waited_for_then_finished(monkeypatch, dtype, op, way, shape):
     """An express call not done within its Tests returns the request still running (or its meeting's): it is waited
     for within the deadline (the meeting then compared and the blocking call made), then finished as the C call
     would have (numpy's NaN, avg's division): the same bits as numpy's on every rank (rank 0 comes 20 ms late, so
-    the others wait)."""
+    the others wait), in the caller's shape (the general path made the persistent request on a flat array)."""
     express_way(monkeypatch, way)
     waited = []
     monkeypatch.setitem(EXPRESS, "native", (native.express, lambda *args: waited.append(1) or native.complete(*args)))
     comm = Communicator(WORLD)
     try:
         def late():
-            x = special_values(dtype, comm.rank, n=11) if np.dtype(dtype).kind == "f" else \
-                make_input(dtype, op, (11,), comm.rank, seed=3)
+            x = special_values(dtype, comm.rank, n=12) if np.dtype(dtype).kind == "f" else \
+                make_input(dtype, op, (12,), comm.rank, seed=3)
+            x = x.reshape(shape)
             comm.allreduce(x.copy(), op=op, algorithm="native")  # (the plan is made)
             WORLD.Barrier()
             if comm.rank == 0:

@@ -329,7 +329,7 @@ def _wait_started(t: Transport, buf, persistent: list) -> None:
     request, own, _ = persistent
     if not (request.Test() or request.Test()):  # (not wait_one: a timeout would cancel the request,
         t.poll_until(request.Test, t.others)  # and MPICH aborts on MPI_Cancel of a persistent collective)
-    buf[...] = own
+    buf[...] = own.reshape(buf.shape)  # (the express call's buf keeps the caller's shape)
 
 
 def _wait(t: Transport, request) -> None:
