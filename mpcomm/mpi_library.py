@@ -58,8 +58,9 @@ class Library:
 PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # A persistent request, started in the plan's express C call (no lookup), saves 0.3-0.4 us a call up to 4 KiB,
     # and ties from 8 KiB (openmpi.md, "Stop 57"). Every call of one kind on a transport starts the same request,
-    # so none may be in flight beside another: the torch backend's C++ all-reduce (an Iallreduce, which would not
-    # pair with it) leaves these sizes to the Communicator, whose calls on a transport run one at a time.
+    # so none may be in flight beside another (a Communicator's calls on a transport run one at a time), and it
+    # pairs with no other all-reduce: the torch backend's groups, whose small synchronous call is an Iallreduce in
+    # C++, start none (Transport.starts_persistent).
     # MPICH runs a user op's large all-reduce by another algorithm, slower than its SUM and the NaN pass after it
     # from 256 KiB to 1 MiB at p = 2, and its small non-blocking one 0.1 us slower up to 2 KiB, where the NaN pass
     # costs less; between them the op is the faster (min/max: faster than keys at every size).

@@ -81,8 +81,10 @@ class Transport:
         self.failed = False  # a wait here timed out or failed: messages may be left in flight (see free())
         self.spins_before_yield, self.quick_tests = _SPINS_BEFORE_YIELD, _QUICK_TESTS
         self.waiters = Waiters()  # threads blocked until an operation on this transport finishes
-        # The MPI library's persistent all-reduces made on this communicator: kind -> [request, its buffer, its
-        # Fortran handle], emptied in place when freed (plans' express calls hold the list), or None (algorithms/native)
+        # Whether native may start persistent all-reduces here (the torch backend's groups start none), and those
+        # made on this communicator: kind -> [request, its buffer, its Fortran handle], emptied in place when freed
+        # (plans' express calls hold the list), or None (algorithms/native)
+        self.starts_persistent = True
         self.persistent_requests: dict = {}
         # mpcomm's reductions as MPI ops (native_calls) that every rank agreed it has, where the Communicator asked
         # when it made this transport (algorithms.native.agree_on_ops); none elsewhere

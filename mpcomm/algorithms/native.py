@@ -239,7 +239,7 @@ def _way(t: Transport, nbytes: int, calls, persistent: bool = True) -> str:
     the library's profile (``mpcomm.mpi_library``) and whether ``native_calls`` is loaded (``calls``): the same on
     every rank."""
     profile = library()
-    if persistent and nbytes <= profile.persistent_upto:
+    if persistent and nbytes <= profile.persistent_upto and t.starts_persistent:
         return _PERSISTENT
     if meets_then_blocks(t, profile, nbytes):
         return _MEET

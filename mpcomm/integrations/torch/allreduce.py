@@ -119,8 +119,7 @@ class AllreducePaths:
             return None
         t = self.comm.transport
         profile = library()
-        if (array.nbytes <= profile.persistent_upto or native.meets_then_blocks(t, profile, array.nbytes)
-                or native.polled_from_copy(t, profile, array.nbytes)):
+        if native.meets_then_blocks(t, profile, array.nbytes) or native.polled_from_copy(t, profile, array.nbytes):
             return None  # (the C++ call only polls the all-reduce in place: every rank must run the same)
         if native.own_op(t, array, plan.rop) is not None:  # (its MPI op: every rank must reduce with the same)
             return None

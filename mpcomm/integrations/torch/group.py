@@ -46,6 +46,10 @@ class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):  # type: ignor
         super().__init__(comm.rank, comm.size)
         keep_alive(self)
         self.comm, self.algorithm = comm, algorithm
+        # Its C++ all-reduce (an Iallreduce, the small synchronous call's fastest path) never pairs with a persistent
+        # one, which native would start for the same call issued asynchronously (the lane's Python path); set before
+        # any call (the Communicator is the group's own, new)
+        comm.transport.starts_persistent = False
         self._name = name or f"rank{comm.rank}"
         self._lane = Lane(self._name, threaded=MPI.Query_thread() >= MPI.THREAD_MULTIPLE,
                           on_failure=self._note_failure)
