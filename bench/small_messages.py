@@ -186,11 +186,7 @@ def summarize(times: dict[str, list[float]], reference: str) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=3000, help="calls per timed loop")
-    parser.add_argument("--rounds", type=int, default=7, help="round-robin rounds per size")
-    parser.add_argument("--json", help="write the rows here (rank 0)")
-    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="all-reduce bytes, comma-separated "
-                        "(multiples of 4: float32)")
+    sweep_arguments(parser, ",".join(map(str, SIZES)), calls=3000, rounds=7)  # (float32: sizes multiples of 4)
     args = parser.parse_args(argv)
     comm = Communicator(MPI.COMM_WORLD)
     untraced = untraced_communicator()
