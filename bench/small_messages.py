@@ -7,12 +7,12 @@ For each size (8 B .. 4 KiB) and each contender — raw ``MPI.Comm.Allreduce``, 
 ``native_calls.start``, which copies the buffer in and out around it in C: native's persistent way),
 ``comm.allreduce`` with ``auto``/``native``/``tree`` (and, marked ``no trace``, on a Communicator with the flight
 recorder off: the recorder's cost is the difference; and where native's plan makes the call in one C call, that C
-call alone, the plan's lookup and that call with nothing else (what any dispatcher that finds its plan in Python
-costs at least), and ``run_express``, which adds the lock, the recorder's entry and the stats: the rest is
-``Communicator.allreduce``'s plan lookup) — times a loop of ``--calls`` calls after a barrier, round-robin over the
-contenders, ``--rounds`` times (so load drift hits all alike); a loop's time is the maximum over ranks. Reports the
-median loop (and min/max as the spread) in microseconds per call, and each contender's ratio to raw ``Allreduce`` of
-the same size in the same run.
+call alone (which takes the lock, reads the clock and counts the stats itself), the plan's lookup and that call with
+nothing else (what any dispatcher that finds its plan in Python costs at least), and ``run_express``, which adds the
+gates and the recorder's entry: the rest is ``Communicator.allreduce``'s own call) — times a loop of ``--calls``
+calls after a barrier, round-robin over the contenders, ``--rounds`` times (so load drift hits all alike); a loop's
+time is the maximum over ranks. Reports the median loop (and min/max as the spread) in microseconds per call, and
+each contender's ratio to raw ``Allreduce`` of the same size in the same run.
 Point to point: a ping-pong between ranks 0 and 1 (``send`` then ``recv``, the partner the reverse), raw
 ``Send``/``Recv`` against ``comm.send``/``comm.recv``; microseconds per round trip.
 """
@@ -66,16 +66,14 @@ def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.nda
             contenders["persistent: C start call"] = lambda: calls.start(handle, own, buf, 0, 1 << 30)
     plan = comm.plan("allreduce", buf, "sum", "native")  # (the plan comm.allreduce(buf, algorithm="native") runs)
     if plan.express is not None:  # the steps of that call: its C call alone, then with run()'s work around it
-        def express_call():
-            outcome = plan.express(buf)
-            if outcome is not None:  # (not done within its tests: what run_express does then, without the rest)
-                EXPRESS[plan.algorithm][1](comm._sync, buf, plan.rop, outcome)
-
-        def looked_up_call():  # the floor of a dispatcher that finds the plan in Python and keeps no books
-            found = comm._planned_allreduce(buf, "sum", "native")
+        def express_call(found=plan):
             outcome = found.express(buf)
-            if outcome is not None:
+            if outcome is not None:  # (not done within its tests: what run_express does then, without the rest)
                 EXPRESS[found.algorithm][1](comm._sync, buf, found.rop, outcome)
+                comm._sync.in_use.release()
+
+        def looked_up_call():  # the floor of a dispatcher that finds the plan in Python (the C call keeps the books)
+            express_call(comm._planned_allreduce(buf, "sum", "native"))
 
         contenders["native: express C call"] = express_call
         contenders["native: lookup + C call"] = looked_up_call

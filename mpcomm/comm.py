@@ -24,7 +24,7 @@ from . import p2p, staging
 from .algorithms import native
 from .algorithms.auto import Selector
 from .buffers import SUM, as_input, as_output, same_device
-from .dispatch import FREED, Dispatcher
+from .dispatch import FREED, Dispatcher, new_totals
 from .errors import CommTimeoutError, ConfigError, MpcommError
 from .p2p import ANY_SOURCE, Status, Wildcard
 from .plan import Plan
@@ -152,13 +152,13 @@ class Communicator(Dispatcher):
         (see ``mpcomm.tuning``) and can be saved with ``save_tuning``. The measurement runs are not counted
         in ``stats()``. With ``verbose`` rank 0 prints the times and per-algorithm alpha/beta fits.
         """
-        saved = {key: list(record) for key, record in self._sync.records.items()}
+        saved = {key: record[:] for key, record in self._sync.records.items()}
         try:
             table = measure.tune(self, measure.DEFAULT_SIZES if sizes is None else sizes, repeats, operations,
                                  dtype, algorithms, verbose)
         finally:
             for key, record in self._sync.records.items():  # (in place, as reset_stats)
-                record[:] = saved.get(key, (0, 0, 0.0))
+                record[:] = saved.get(key, new_totals())
         self._use_table(table, "the table just measured")
         return table
 

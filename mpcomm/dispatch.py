@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+from array import array
 import sys
 import threading
 import time
@@ -59,13 +60,22 @@ _STALE = ("; its messages may still be in flight, so later collectives could mat
           "Create a new Communicator.")
 
 
+def new_totals() -> array:
+    """A stats entry: calls, bytes, seconds, as doubles (an express call adds to its plan's in C)."""
+    return array("d", (0.0, 0.0, 0.0))
+
+
 def _record(t: Transport, plan: Plan, elapsed: float) -> None:
     """Count one call of ``plan`` that took ``elapsed`` seconds into ``t``'s stats."""
     totals = t.records.get(plan.key)  # per (operation, algorithm): bounded whatever the shapes
     if totals is None:
-        totals = t.records[plan.key] = [0, 0, 0.0]
+        totals = t.records[plan.key] = new_totals()
+    _count(totals, plan.nbytes, elapsed)
+
+
+def _count(totals: array, nbytes: int, elapsed: float) -> None:
     totals[0] += 1
-    totals[1] += plan.nbytes
+    totals[1] += nbytes
     totals[2] += elapsed
 
 
@@ -161,8 +171,8 @@ class Dispatcher:
                     wire=wire_dtype(array.dtype, widen=not (host and chosen in KEEP_LOW_PRECISION))
                     if rop is not None else array.dtype)
         if operation == "allreduce" and plan.direct and chosen in EXPRESS:
-            plan.express = EXPRESS[chosen][0](self._sync, array, rop)
-            plan.totals = self._sync.records.setdefault(plan.key, [0, 0, 0.0])  # (run_express counts into it)
+            plan.totals = self._sync.records.setdefault(plan.key, new_totals())  # (its express call counts into it)
+            plan.express = EXPRESS[chosen][0](self._sync, array, rop, plan.totals)
         if cacheable:
             if len(self._plans) >= PLAN_CACHE_SIZE:  # shapes that vary (MoE, dynamic batches): the oldest goes
                 del self._plans[next(iter(self._plans))]
@@ -238,28 +248,35 @@ class Dispatcher:
     def run_express(self, plan: Plan, buf) -> bool:
         """:meth:`run` of ``plan`` on ``buf`` (a host array of the plan's dtype and shape) in one C call, the plan's
         :attr:`~mpcomm.plan.Plan.express`, where run() has nothing else to do: no validation, nothing queued to
-        run first. False, with nothing sent, where the call does not take ``buf`` (not writable and C-contiguous):
-        the caller runs the plan. Refusals, the flight recorder, errors midway and stats as run()'s."""
-        t, inline = self._sync, self._inline
-        if (self._meet or (inline is not None and inline.queue) or self._unusable is not None
-                or not t.in_use.acquire(False)):  # (run() refuses a second thread)
+        run first. The call takes the transport's lock, reads the clock and counts itself into the stats (in C: as
+        Python calls those would cost as much as the call). False, with nothing sent, where it does not take ``buf``
+        (not writable and C-contiguous) or the lock is held: the caller runs the plan (which refuses a second
+        thread). Refusals, the flight recorder, errors midway and stats as run()'s."""
+        t, inline, express = self._sync, self._inline, plan.express
+        if self._meet or (inline is not None and inline.queue) or self._unusable is not None:
             return False
         try:
+            outcome = express(buf)
+        except Exception as exc:  # (the lock given back)
             t.operation = plan.label
-            start = _clock()
-            outcome = plan.express(buf)  # type: ignore[misc]
-            if outcome is NotImplemented:
-                return False
-            trace = t.trace  # (recorded once the call is made: it returns within its tests, or has met every rank)
+            self._raise_midway(t, plan, exc)
+        if outcome is NotImplemented:
+            return False
+        trace = t.trace  # (recorded once the call is made: it returns within its tests, or has met every rank)
+        if trace is not None:
+            trace.collectives += 1
+            slot = next(trace.slots)
+            trace.groups[slot] = trace
+            trace.calls[slot] = plan
+            trace.starts[slot] = express.started
+        if outcome is None:  # (done, and counted)
             if trace is not None:
-                trace.collectives += 1
-                slot = next(trace.slots)
-                trace.groups[slot] = trace
-                trace.calls[slot] = plan
-                trace.starts[slot] = start
-            if outcome is not None:  # (still running: waited for within the deadline, then finished)
-                EXPRESS[plan.algorithm][1](t, buf, plan.rop, outcome)
-                self._check_still_usable(plan)
+                trace.ends[slot] = express.ended
+            return True
+        try:  # still running, the lock still held: waited for within the deadline, then finished
+            t.operation = plan.label
+            EXPRESS[plan.algorithm][1](t, buf, plan.rop, outcome)
+            self._check_still_usable(plan)
             end = _clock()
             if trace is not None:
                 trace.ends[slot] = end
@@ -267,10 +284,7 @@ class Dispatcher:
             self._raise_midway(t, plan, exc)
         finally:
             t.in_use.release()
-        totals: list = plan.totals  # type: ignore[assignment]  # (_record without the lookup: a fifth of the books)
-        totals[0] += 1
-        totals[1] += plan.nbytes
-        totals[2] += end - start
+        _count(plan.totals, plan.nbytes, end - express.started)
         return True
 
     def allgather_object(self, obj: Any, operation: str = "allgather_object") -> list:
@@ -309,8 +323,8 @@ class Dispatcher:
                 if not calls:
                     continue  # (an entry made with a plan, or zeroed by reset_stats, with no call since)
                 record = out.setdefault(operation, {}).setdefault(algorithm, {"calls": 0, "bytes": 0, "seconds": 0.0})
-                record["calls"] += calls
-                record["bytes"] += nbytes
+                record["calls"] += int(calls)
+                record["bytes"] += int(nbytes)
                 record["seconds"] += seconds
         return out
 
@@ -325,7 +339,7 @@ class Dispatcher:
     def reset_stats(self) -> None:
         for t in (self._sync, self._async):
             for totals in t.records.values():
-                totals[:] = (0, 0, 0.0)  # in place: a plan with an express call counts into its entry
+                totals[:] = new_totals()  # in place: a plan with an express call counts into its entry
 
     # ------------------------------------------------------------------ the flight recorder
     def _start_trace(self, capacity: int, base: MPI.Comm, timeline: str = "") -> None:

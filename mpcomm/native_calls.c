@@ -13,9 +13,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <structmember.h>
+
 #include <mpi.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 enum { NOT_FLOAT = 0, FLOAT32 = 1, FLOAT64 = 2 };
 
@@ -308,33 +312,27 @@ static PyObject *start_view(long handle, PyObject *own_object, Py_buffer *buf, l
     return result;
 }
 
-/* express(bound, buf): allreduce(comm, buf, op, finish, tests) with bound = (comm, op, finish, tests), or
- * meet_allreduce(comm, buf, op, finish, tests, kind, meeting) with bound = (comm, op, finish, tests, kind, meeting),
- * or start(request, own, buf, finish, tests) with bound = (persistent, finish, tests), `persistent` the list
- * [request, own, handle] of a persistent all-reduce (None once done, not True): the arguments one plan's calls share
- * (algorithms/native.py's express: functools.partial(express, bound) is the call), and NotImplemented, with nothing
- * sent, for a buffer that is not writable and C-contiguous too, or a persistent request not made (an empty list). */
-static PyObject *express(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    Py_ssize_t size = nargs == 2 && PyTuple_CheckExact(args[0]) ? PyTuple_GET_SIZE(args[0]) : 0;
-    if (size != 3 && size != 4 && size != 6) {
-        PyErr_SetString(PyExc_TypeError, "express((comm, op, finish, tests[, kind, meeting]) | (persistent, finish, "
-                                         "tests), buf)");
-        return NULL;
-    }
-    PyObject *persistent = size == 3 ? PyTuple_GET_ITEM(args[0], 0) : NULL;
+/* What an express call (ExpressCall) does with its `bound` arguments on `buf`: allreduce(comm, buf, op, finish,
+ * tests) with bound = (comm, op, finish, tests), or meet_allreduce(comm, buf, op, finish, tests, kind, meeting) with
+ * bound = (comm, op, finish, tests, kind, meeting), or start(request, own, buf, finish, tests) with bound =
+ * (persistent, finish, tests), `persistent` the list [request, own, handle] of a persistent all-reduce (None once
+ * done, not True): the arguments one plan's calls share, and NotImplemented, with nothing sent, for a buffer that is
+ * not writable and C-contiguous too, or a persistent request not made (an empty list). */
+static PyObject *express_bound(PyObject *bound_arguments, PyObject *buf) {
+    Py_ssize_t size = PyTuple_GET_SIZE(bound_arguments); /* (3, 4 or 6: checked when the ExpressCall is made) */
+    PyObject *persistent = size == 3 ? PyTuple_GET_ITEM(bound_arguments, 0) : NULL;
     if (persistent != NULL && !(PyList_CheckExact(persistent) && PyList_GET_SIZE(persistent) == 3))
         return Py_NewRef(Py_NotImplemented);
     long bound[5];
     for (int i = 0; i < (size == 6 ? 5 : size); i++)
         if ((bound[i] = PyLong_AsLong(persistent != NULL && i == 0 ? PyList_GET_ITEM(persistent, 2)
-                                                                   : PyTuple_GET_ITEM(args[0], i))) == -1
+                                                                   : PyTuple_GET_ITEM(bound_arguments, i))) == -1
             && PyErr_Occurred())
             return NULL;
     Py_buffer view, meeting;
-    if (size == 6 && !meeting_of(PyTuple_GET_ITEM(args[0], 5), &meeting)) return NULL;
+    if (size == 6 && !meeting_of(PyTuple_GET_ITEM(bound_arguments, 5), &meeting)) return NULL;
     PyObject *result;
-    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+    if (PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
         PyErr_Clear();
         result = Py_NewRef(Py_NotImplemented);
     } else {
@@ -396,6 +394,203 @@ static PyObject *start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return result;
 }
 
+/* ---- A small all-reduce's whole blocking call, books included: Busy is a transport's lock (Transport.in_use)
+ * that an ExpressCall takes and gives back without a Python call, and the ExpressCall reads the clock around its
+ * call and counts a finished one into the plan's stats entry (three doubles: calls, bytes, seconds) itself. Those
+ * Python calls (the lock's two methods, two clock readings, three new numbers) cost as much as the call of a small
+ * all-reduce on Open MPI. Both rely on the GIL, held from the lock's test to its taking. */
+
+typedef struct {
+    PyObject_HEAD
+    int held;
+} Busy;
+
+/* acquire(blocking): threading.Lock's acquire(False) (True where it took the lock); it never waits. */
+static PyObject *busy_acquire(Busy *self, PyObject *blocking) {
+    int wait = PyObject_IsTrue(blocking);
+    if (wait != 0) {
+        if (wait > 0)
+            PyErr_SetString(PyExc_ValueError, "Busy.acquire(blocking): it never waits; blocking must be False");
+        return NULL;
+    }
+    if (self->held) Py_RETURN_FALSE;
+    self->held = 1;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *busy_release(Busy *self, PyObject *unused) {
+    (void)unused;
+    if (!self->held) {
+        PyErr_SetString(PyExc_RuntimeError, "release unlocked lock");
+        return NULL;
+    }
+    self->held = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *busy_locked(Busy *self, PyObject *unused) {
+    (void)unused;
+    return PyBool_FromLong(self->held);
+}
+
+static PyMethodDef busy_methods[] = {
+    {"acquire", (PyCFunction)busy_acquire, METH_O, "acquire(False) -> whether it took the lock (it never waits)"},
+    {"release", (PyCFunction)busy_release, METH_NOARGS, "release() the lock (RuntimeError where it is not held)"},
+    {"locked", (PyCFunction)busy_locked, METH_NOARGS, "locked() -> whether it is held"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject BusyType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpcomm._native_calls.Busy",
+    .tp_basicsize = sizeof(Busy),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Busy(): a transport's lock, threading.Lock's acquire(False), release() and locked(), that an "
+              "ExpressCall takes without a Python call",
+    .tp_methods = busy_methods,
+    .tp_new = PyType_GenericNew,
+};
+
+#ifndef __linux__
+static PyObject *perf_counter; /* time.perf_counter, called where its clock is not read here directly */
+#endif
+
+/* time.perf_counter(), as it computes it from the monotonic clock on Linux; -1.0, with an exception set, where
+ * calling it failed. */
+static double now(void) {
+#ifdef __linux__
+    struct timespec clock;
+    clock_gettime(CLOCK_MONOTONIC, &clock);
+    int64_t ns = (int64_t)clock.tv_sec * 1000000000 + clock.tv_nsec;
+    return ns % 1000000000 == 0 ? (double)(ns / 1000000000) : (double)ns / 1e9;
+#else
+    PyObject *seconds = PyObject_CallNoArgs(perf_counter);
+    double value = seconds ? PyFloat_AsDouble(seconds) : -1.0;
+    Py_XDECREF(seconds);
+    return value;
+#endif
+}
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *bound;   /* express_bound's arguments (a tuple of 3, 4 or 6) */
+    Busy *busy;        /* the transport's lock */
+    Py_buffer totals;  /* the plan's stats entry: calls, bytes, seconds (3 doubles) */
+    double nbytes;     /* what a call adds to the entry's bytes */
+    double started, ended; /* the last call's clock readings, on time.perf_counter's clock */
+} ExpressCall;
+
+/* ExpressCall(bound, busy, totals, nbytes)(buf): express_bound(bound, buf) with `busy` held (NotImplemented,
+ * nothing sent, where it is held already: the caller's general path refuses the second thread) and the clock read
+ * around it (started, ended: kept from the last call that sent). A call done (None) is counted into `totals` and
+ * gives `busy` back; one still running keeps it, for the caller to wait, finish, count and give back; an error
+ * gives it back and raises. */
+static PyObject *express_call(ExpressCall *self, PyObject *const *args, size_t nargsf, PyObject *names) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || names != NULL) {
+        PyErr_SetString(PyExc_TypeError, "ExpressCall(buf): one positional argument");
+        return NULL;
+    }
+    Busy *busy = self->busy;
+    if (busy->held) return Py_NewRef(Py_NotImplemented);
+    busy->held = 1;
+    double started = now();
+    if (started == -1.0 && PyErr_Occurred()) {
+        busy->held = 0;
+        return NULL;
+    }
+    PyObject *result = express_bound(self->bound, args[0]);
+    if (result == NULL || result == Py_NotImplemented) {
+        busy->held = 0;
+        return result;
+    }
+    self->started = started;
+    if ((self->ended = now()) == -1.0 && PyErr_Occurred()) {
+        Py_DECREF(result);
+        busy->held = 0;  /* (after a call that sent: as an error midway) */
+        return NULL;
+    }
+    if (result == Py_None) {
+        double *totals = self->totals.buf;
+        totals[0] += 1, totals[1] += self->nbytes, totals[2] += self->ended - self->started;
+        busy->held = 0;
+    }
+    return result;
+}
+
+static PyObject *express_new(PyTypeObject *type, PyObject *args, PyObject *names) {
+    PyObject *bound, *totals;
+    Busy *busy;
+    double nbytes;
+    if (names != NULL && PyDict_GET_SIZE(names)) {
+        PyErr_SetString(PyExc_TypeError, "ExpressCall(bound, busy, totals, nbytes): positional arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "O!O!Od:ExpressCall", &PyTuple_Type, &bound, &BusyType, &busy, &totals, &nbytes))
+        return NULL;
+    Py_ssize_t size = PyTuple_GET_SIZE(bound);
+    if (size != 3 && size != 4 && size != 6) {
+        PyErr_Format(PyExc_ValueError, "ExpressCall: bound has %zd items: (comm, op, finish, tests[, kind, meeting]) "
+                                       "| (persistent, finish, tests)", size);
+        return NULL;
+    }
+    ExpressCall *self = (ExpressCall *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    if (PyObject_GetBuffer(totals, &self->totals, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    const char *format = self->totals.format;
+    if (self->totals.len != 3 * (Py_ssize_t)sizeof(double) || strcmp(format[0] == '@' ? format + 1 : format, "d")) {
+        PyErr_Format(PyExc_ValueError, "ExpressCall: totals must be 3 doubles (array('d')), not %zd bytes of '%s'",
+                     self->totals.len, format);
+        PyBuffer_Release(&self->totals);
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->vectorcall = (vectorcallfunc)express_call;
+    self->bound = Py_NewRef(bound);
+    self->busy = (Busy *)Py_NewRef(busy);
+    self->nbytes = nbytes;
+    self->started = self->ended = -1.0;
+    return (PyObject *)self;
+}
+
+static void express_dealloc(ExpressCall *self) {
+    if (self->totals.obj != NULL) PyBuffer_Release(&self->totals);
+    Py_XDECREF(self->bound);
+    Py_XDECREF(self->busy);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef express_members[] = {
+    {"bound", T_OBJECT, offsetof(ExpressCall, bound), READONLY, "the arguments its calls share"},
+    {"started", T_DOUBLE, offsetof(ExpressCall, started), READONLY, "the last call's start (time.perf_counter)"},
+    {"ended", T_DOUBLE, offsetof(ExpressCall, ended), READONLY, "when the last call returned (time.perf_counter)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject ExpressCallType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpcomm._native_calls.ExpressCall",
+    .tp_basicsize = sizeof(ExpressCall),
+    .tp_dealloc = (destructor)express_dealloc,
+    .tp_vectorcall_offset = offsetof(ExpressCall, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "ExpressCall(bound, busy, totals, nbytes): a plan's small all-reduce in one C call, with its books "
+              "(algorithms/native.py's express)",
+    .tp_members = express_members,
+    .tp_new = express_new,
+};
+
+/* clock(): now(), for the test that it reads time.perf_counter's clock. */
+static PyObject *clock_call(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    double seconds = now();
+    return seconds == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(seconds);
+}
+
 /* canonical_nans(buf): numpy's NaN wherever `buf` (float32/float64, real or complex) holds a NaN. */
 static PyObject *canonical_nans_call(PyObject *self, PyObject *arg) {
     (void)self;
@@ -427,9 +622,6 @@ static PyObject *library_version(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))allreduce, METH_FASTCALL,
      "allreduce(comm, buf, op, finish, tests) -> None (done) | request handle | NotImplemented"},
-    {"express", (PyCFunction)(void (*)(void))express, METH_FASTCALL,
-     "express((comm, op, finish, tests[, kind, meeting]) | (persistent, finish, tests), buf) -> allreduce(comm, buf, "
-     "op, finish, tests) | meet_allreduce(comm, buf, op, finish, tests, kind, meeting) | start(...)"},
     {"meet_allreduce", (PyCFunction)(void (*)(void))meet_allreduce, METH_FASTCALL,
      "meet_allreduce(comm, buf, op, finish, tests, kind, meeting) -> None (done) | False (they differ) | request "
      "handle | NotImplemented"},
@@ -437,6 +629,7 @@ static PyMethodDef methods[] = {
      "start(request, own, buf, finish, tests) -> True (done, copied back) | False | NotImplemented"},
     {"canonical_nans", canonical_nans_call, METH_O, "canonical_nans(buf): numpy's NaN wherever buf holds one"},
     {"create_ops", create_ops, METH_NOARGS, "create_ops() -> Fortran handles of the (sum, prod, max, min) MPI ops"},
+    {"clock", clock_call, METH_NOARGS, "clock() -> the seconds of the clock ExpressCall reads (time.perf_counter's)"},
     {"configure", configure, METH_O, "configure(exception_type): what an MPI error code is raised as"},
     {"library_version", library_version, METH_NOARGS, "the MPI library this was built against"},
     {NULL, NULL, 0, NULL},
@@ -444,4 +637,21 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_calls", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__native_calls(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native_calls(void) {
+    if (PyType_Ready(&BusyType) < 0 || PyType_Ready(&ExpressCallType) < 0) return NULL;
+#ifndef __linux__
+    PyObject *time = PyImport_ImportModule("time");
+    if (time == NULL) return NULL;
+    perf_counter = PyObject_GetAttrString(time, "perf_counter");
+    Py_DECREF(time);
+    if (perf_counter == NULL) return NULL;
+#endif
+    PyObject *created = PyModule_Create(&module);
+    if (created == NULL) return NULL;
+    if (PyModule_AddObjectRef(created, "Busy", (PyObject *)&BusyType) < 0
+        || PyModule_AddObjectRef(created, "ExpressCall", (PyObject *)&ExpressCallType) < 0) {
+        Py_DECREF(created);
+        return NULL;
+    }
+    return created;
+}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 
 from mpi4py import MPI
@@ -55,6 +56,13 @@ def build():
     check_built_for(module.library_version())
     module.configure(MPI.Exception)
     return module
+
+
+def lock():
+    """A transport's lock (``Transport.in_use``): the extension's ``Busy``, which a plan's express call takes and
+    gives back without a Python call, where it is loaded; else ``threading.Lock`` (no express calls then)."""
+    module = load()
+    return threading.Lock() if module is None else module.Busy()
 
 
 @functools.cache

@@ -44,8 +44,8 @@ class Plan:
         self.label: _Label | str = _Label(self)
         # The blocking call's whole algorithm as one C call on the Communicator's transport, where it has one
         # (Dispatcher.plan, from algorithms.EXPRESS; run by Dispatcher.run_express)
-        self.express: Callable[[Any], Any] | None = None
-        self.totals: list | None = None  # with express: the stats entry it counts into (calls, bytes, seconds)
+        self.express: Any = None  # (native_calls.ExpressCall: called on the buffer; started, ended)
+        self.totals: Any = None  # with express: the stats entry it counts into (array('d'): calls, bytes, seconds)
         self._digest: np.ndarray | None = None
 
     @classmethod

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 import numpy as np
 from mpi4py import MPI
 
+from . import native_calls
 from .buffers import array_module, is_device_array
 from .errors import CommTimeoutError, MpcommError
 
@@ -67,9 +68,10 @@ class Transport:
         self.others = tuple(r for r in range(self.size) if r != self.rank)  # every peer (error messages)
         self.fortran = mpi_comm.py2f()  # the communicator's Fortran handle (what code in C is given: native_calls)
         # Held while a collective runs on this transport: a second thread arriving meanwhile is an error.
-        self.in_use = threading.Lock()
-        # Measured totals of the collectives run here: plan -> [calls, seconds] (stats() sums them by operation
-        # and algorithm). One table per transport, so the thread that runs its collectives is the only writer.
+        self.in_use = native_calls.lock()
+        # Measured totals of the collectives run here: plan key -> array('d') of calls, bytes, seconds (stats()
+        # sums them by operation and algorithm; express calls add to theirs in C). One table per transport, so
+        # the thread that runs its collectives is the only writer.
         self.records: dict = {}
         # Called while this transport waits: progress of point-to-point receives (see ``mpcomm.p2p.Channels``).
         self.progress_hook: Callable[[], None] | None = None

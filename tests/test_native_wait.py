@@ -9,6 +9,7 @@ Run: ``timeout 600 mpiexec -n N python -m pytest -q --with-mpi -m mpi tests/test
 from __future__ import annotations
 
 import time
+from array import array
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Iterator
@@ -245,7 +246,9 @@ def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_
     try:
         def calls():
             x = np.arange(5, dtype=np.float32) + comm.rank
+            begun = time.perf_counter()
             results = [comm.allreduce(x.copy(), algorithm="native") for _ in range(3)]
+            wall = time.perf_counter() - begun
             read_only = x.copy()
             read_only.flags.writeable = False
             with pytest.raises(ValueError, match="read-only"):
@@ -253,18 +256,22 @@ def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_
             strided = np.repeat(x, 2)[::2]
             results.append(comm.allreduce(strided, algorithm="native"))
             express = comm._planned_allreduce(x, "sum", "native").express
-            return results, len(runs), comm.stats()["allreduce"]["native"], comm.dump_trace(directory), express
+            stats = comm.stats()["allreduce"]["native"]
+            return results, len(runs), stats, comm.dump_trace(directory), express, wall
 
-        results, ran, stats, path, express = in_step(calls)
+        results, ran, stats, path, express, wall = in_step(calls)  # (wall: the first three calls' seconds)
         entries = own_entries(path, comm._trace.name)
     finally:
         comm.free()
     expected = np.arange(5, dtype=np.float32) * P + P * (P - 1) // 2
     for result in results:
         np.testing.assert_array_equal(result, expected)
-    assert len(express.args[0]) == bound, express
+    assert len(express.bound) == bound, express
     assert ran == 2, f"{ran} calls went through run(): the first (the plan is made) and the strided one only"
     assert (stats["calls"], stats["bytes"]) == (4, 4 * 20), stats
+    assert type(stats["calls"]) is int and type(stats["bytes"]) is int, stats
+    assert 0 < stats["seconds"] and express.started < express.ended, (stats, express.started, express.ended)
+    assert express.ended - express.started < wall, "the express call's clock is not time.perf_counter's seconds"
     assert [(e["collective_seq_id"], e["profiling_name"], e["state"]) for e in entries] == \
         [(n, "mpcomm:all_reduce", "completed") for n in range(1, 5)]
 
@@ -442,6 +449,36 @@ def test_persistent_requests_are_kept_per_kind_and_freed(monkeypatch):
     if P > 1 and native_calls.load() is not None:
         assert ran == len(counts) and ran_again == ran + 1, (ran, ran_again)
     assert kept == {}, "free() left persistent requests behind"
+
+
+def test_the_express_calls_lock_and_clock_are_threading_locks_and_time_perf_counters():
+    """native_calls.Busy (a transport's lock, which the express calls take in C) behaves as threading.Lock's
+    acquire(False), release() and locked(), and never waits; the clock they read is time.perf_counter's; an
+    ExpressCall refuses arguments it cannot use."""
+    calls = native_calls.load()
+    if calls is None:
+        pytest.skip("mpcomm.native_calls is not built here")
+    lock = calls.Busy()
+    assert (lock.acquire(False), lock.locked(), lock.acquire(False)) == (True, True, False)
+    lock.release()
+    assert not lock.locked()
+    with pytest.raises(RuntimeError, match="release unlocked lock"):
+        lock.release()
+    with pytest.raises(ValueError, match="never waits"):
+        lock.acquire(True)
+    assert not lock.locked()
+    readings = [time.perf_counter(), calls.clock(), time.perf_counter(), calls.clock(), time.perf_counter()]
+    assert readings == sorted(readings), readings
+    assert Transport(MPI.COMM_SELF, 5.0).in_use.__class__ is calls.Busy
+    totals = array("d", (0.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="3 doubles"):
+        calls.ExpressCall((1, 2, 3, 4), lock, array("d", (0.0, 0.0)), 8.0)
+    with pytest.raises(ValueError, match="3 doubles"):
+        calls.ExpressCall((1, 2, 3, 4), lock, np.zeros(3, np.float32), 8.0)
+    with pytest.raises(ValueError, match="bound has 2 items"):
+        calls.ExpressCall((1, 2), lock, totals, 8.0)
+    with pytest.raises(TypeError):
+        calls.ExpressCall((1, 2, 3, 4), object(), totals, 8.0)
 
 
 def test_the_blocking_way_is_left_where_ranks_share_cores():

@@ -1,11 +1,11 @@
 """What each part of a small blocking all-reduce's Python costs, around its one C call (issue 32's 2x of raw).
 
 ``comm.allreduce(buf)`` of a small host array whose plan is made runs ``Dispatcher.run_express``: it checks that
-nothing else must run first, takes the transport's lock, reads the clock, makes the plan's C call, writes the
-flight recorder's entry and the stats, and lets the lock go. Here the C call is replaced by a C callable that does
-nothing (``list.append``), so what is timed is the Python alone, whole and part by part, each part as
-``dispatch.py`` writes it. One process (no partner is needed for Python's part; p = 1 has no express call of its
-own, so the plan's is set by hand):
+nothing else must run first, makes the plan's C call (``native_calls.ExpressCall``, which takes the transport's
+lock, reads the clock around the all-reduce, counts it into the stats and lets the lock go) and writes the flight
+recorder's entry. Timed whole and part by part, each part as ``dispatch.py`` writes it, and the C call beside the
+same all-reduce without its books (``native_calls.allreduce``). One process: p = 1 has no express call of its own,
+so the plan's is made by hand, over a real ``MPI_Iallreduce`` of the one rank:
 
     python bench/experiments/express_parts.py [--calls 200000] [--repeat 7]
 
@@ -20,21 +20,18 @@ import numpy as np
 from mpi4py import MPI
 
 from mpcomm import Communicator
-from mpcomm import dispatch
+from mpcomm.native_calls import load
 
 PARTS = {
     "comm.allreduce(buf), whole": "comm.allreduce(buf, algorithm='native')",
     "  the plan's lookup (_planned_allreduce)": "comm._planned_allreduce(buf, 'sum', 'native')",
     "  run_express(plan, buf), whole": "comm.run_express(plan, buf)",
-    "    the C call (a no-op C callable here)": "plan.express(buf)",
+    "    the C call, with its books": "plan.express(buf)",
+    "      the same all-reduce without them": "calls.allreduce(t.fortran, buf, op, 0, 1)",
     "    the gates (validate, unusable, queued work)": "comm._meet; comm._unusable; comm._inline",
-    "    the lock, taken and let go": "lock.acquire(False); lock.release()",
-    "    the operation's name on the transport": "t.operation = plan.label",
-    "    two clock readings": "clock(); clock()",
     "    the flight recorder's entry": "lane.collectives += 1; slot = next(lane.slots); lane.groups[slot] = lane; "
-                                      "lane.calls[slot] = plan; lane.starts[slot] = 1.0; lane.ends[slot] = 2.0",
-    "    the stats (the plan's entry)": "totals = plan.totals; totals[0] += 1; totals[1] += plan.nbytes; "
-                                     "totals[2] += 1e-6",
+                                      "lane.calls[slot] = plan; lane.starts[slot] = plan.express.started; "
+                                      "lane.ends[slot] = plan.express.ended",
 }
 
 
@@ -43,20 +40,20 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
-    comm = Communicator(MPI.COMM_WORLD)
+    calls = load()
+    if calls is None:
+        raise SystemExit("mpcomm.native_calls is not built here: there are no express calls")
+    comm = Communicator(MPI.COMM_SELF)
     buf = np.ones(2, np.float32)
     comm.allreduce(buf, algorithm="native")  # (the plan is made)
     plan = comm._planned_allreduce(buf, "sum", "native")
-    sink: list = []
-    plan.express = sink.append  # (returns None: "done", as the C call does once the all-reduce is)
-    t = comm.transport
+    t, op = comm.transport, MPI.SUM.py2f()
+    plan.express = calls.ExpressCall((t.fortran, op, 0, 1), t.in_use, plan.totals, float(buf.nbytes))
     if t.trace is None:
         raise SystemExit("the flight recorder is off (MPCOMM_TRACE_BUFFER=0): its entry cannot be timed")
-    names = {"comm": comm, "buf": buf, "plan": plan, "t": t, "lock": t.in_use, "lane": t.trace,
-             "clock": dispatch._clock}
+    names = {"comm": comm, "buf": buf, "plan": plan, "t": t, "op": op, "calls": calls, "lane": t.trace}
     for part, statement in PARTS.items():
         best = min(timeit.repeat(statement, globals=names, number=args.calls, repeat=args.repeat))
-        sink.clear()
         print(f"{part:<52} {best / args.calls * 1e9:7.0f} ns")
     comm.free()
 

@@ -61,14 +61,16 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         _finish(buf, op, nan_pass)
 
 
-def express(t: Transport, buf, op: ReduceOp) -> Callable[[Any], Any] | None:
+def express(t: Transport, buf, op: ReduceOp, totals) -> Callable[[Any], Any] | None:
     """native's whole all-reduce of host arrays of ``buf``'s count, dtype and op on ``t`` as one C call
-    (``native_calls.express``), where that call does all :func:`allreduce` does: native waits in the one C call,
+    (``native_calls.ExpressCall``), where that call does all :func:`allreduce` does: native waits in the one C call,
     starts its persistent request in it, or meets and blocks in it (:func:`_way`), which also finishes what is left
-    (avg's division, the NaN pass). Called on an array, it returns None once done, NotImplemented (nothing sent) for
-    an array it does not take (not writable and C-contiguous) or where the persistent request is not made yet, else
-    what is left for :func:`complete`: the request still running, or the meeting's (or False: the ranks disagree).
-    None where there is no such call (nor for p = 1 or an empty array, which send nothing)."""
+    (avg's division, the NaN pass). It holds ``t.in_use`` meanwhile and counts a finished call into ``totals`` (the
+    plan's stats entry). Called on an array, it returns None once done, NotImplemented (nothing sent) for an array it
+    does not take (not writable and C-contiguous), while ``t.in_use`` is held, or where the persistent request is not
+    made yet, else what is left for :func:`complete` (``t.in_use`` still held): the request still running, or the
+    meeting's (or False: the ranks disagree). None where there is no such call (nor for p = 1 or an empty array,
+    which send nothing)."""
     calls, nbytes = load_calls(), buf.nbytes
     taken = calls is not None and type(buf) is np.ndarray and buf.dtype in _C_DTYPES and t.size > 1 and nbytes
     how = _how(t, buf, op) if taken else None
@@ -90,7 +92,7 @@ def express(t: Transport, buf, op: ReduceOp) -> Callable[[Any], Any] | None:
         bound = (t.fortran, mpi_op.py2f(), finish, _MEETING_TESTS, _kind(buf.dtype, op.name), _meeting(t))
     else:
         bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * _C_TESTS)
-    return functools.partial(calls.express, bound)
+    return calls.ExpressCall(bound, t.in_use, totals, float(nbytes))
 
 
 def complete(t: Transport, buf, op: ReduceOp, outcome) -> None:
