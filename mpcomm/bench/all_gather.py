@@ -23,7 +23,7 @@ class AllGather(DataMovement):
     def call(self, algorithm: str):
         if algorithm == RAW:
             return partial(self.raw_comm.Allgather, self.send.view(np.uint8), self.recv.view(np.uint8))
-        return partial(self.comm.all_gather, self.send, self.recv, algorithm=algorithm)
+        return partial(self.comm.all_gather, self.send, self.recv, algorithm)
 
     def compute_expected(self):
         return np.concatenate([self.input_of(r) for r in range(self.p)])

@@ -36,7 +36,7 @@ class AllReduce(Collective):
             return partial(self.raw_comm.Allreduce, MPI.IN_PLACE, self.wire, reduce_op(self.redop).mpi)
         if algorithm.startswith(WIRE_ROW):
             return partial(self.comm.allreduce, self.buf, op=self.redop, wire=algorithm[len(WIRE_ROW):])
-        return partial(self.comm.allreduce, self.buf, op=self.redop, algorithm=algorithm)
+        return partial(self.comm.allreduce, self.buf, self.redop, algorithm)
 
     def result(self, algorithm: str):
         return from_the_wire(self.wire, self.dtype, self.redop, self.p) if algorithm == RAW else self.buf

@@ -30,7 +30,7 @@ class AllToAll(DataMovement):
     def call(self, algorithm: str):
         if algorithm == RAW:
             return partial(self.raw_comm.Alltoall, self.send.view(np.uint8), self.recv.view(np.uint8))
-        return partial(self.comm.all_to_all, self.send, self.recv, algorithm=algorithm)
+        return partial(self.comm.all_to_all, self.send, self.recv, algorithm)
 
     def compute_expected(self):
         # block i of what this rank receives is block `rank` of what rank i sends

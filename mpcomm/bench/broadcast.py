@@ -26,7 +26,7 @@ class Broadcast(Collective):
     def call(self, algorithm: str):
         if algorithm == RAW:
             return partial(self.raw_comm.Bcast, self.buf.view(np.uint8), self.root)
-        return partial(self.comm.broadcast, self.buf, root=self.root, algorithm=algorithm)
+        return partial(self.comm.broadcast, self.buf, self.root, algorithm)
 
     def result(self, algorithm: str):
         return self.buf

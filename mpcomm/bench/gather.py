@@ -25,7 +25,7 @@ class Gather(DataMovement):
         if algorithm == RAW:
             recv = None if self.recv is None else self.recv.view(np.uint8)
             return partial(self.raw_comm.Gather, self.send.view(np.uint8), recv, self.root)
-        return partial(self.comm.gather, self.send, self.recv, root=self.root, algorithm=algorithm)
+        return partial(self.comm.gather, self.send, self.recv, self.root, algorithm)
 
     def compute_expected(self):
         if self.rank != self.root:

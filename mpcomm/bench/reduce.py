@@ -32,7 +32,7 @@ class Reduce(Collective):
     def call(self, algorithm: str):
         if algorithm == RAW:
             return partial(self.raw_comm.Reduce, self.wire_send, self.wire_recv, reduce_op(self.redop).mpi, self.root)
-        return partial(self.comm.reduce, self.send, self.recv, op=self.redop, root=self.root, algorithm=algorithm)
+        return partial(self.comm.reduce, self.send, self.recv, self.redop, self.root, algorithm)
 
     def result(self, algorithm: str):
         if self.recv is None or self.wire_recv is None:

@@ -33,7 +33,7 @@ class ReduceScatter(Collective):
         if algorithm == RAW:
             return partial(self.raw_comm.Reduce_scatter_block, self.wire_send, self.wire_recv,
                            reduce_op(self.redop).mpi)
-        return partial(self.comm.reduce_scatter, self.send, self.recv, op=self.redop, algorithm=algorithm)
+        return partial(self.comm.reduce_scatter, self.send, self.recv, self.redop, algorithm)
 
     def result(self, algorithm: str):
         return from_the_wire(self.wire_recv, self.dtype, self.redop, self.p) if algorithm == RAW else self.recv

@@ -29,7 +29,7 @@ class Scatter(DataMovement):
         if algorithm == RAW:
             send = None if self.send is None else self.send.view(np.uint8)
             return partial(self.raw_comm.Scatter, send, self.recv.view(np.uint8), self.root)
-        return partial(self.comm.scatter, self.send, self.recv, root=self.root, algorithm=algorithm)
+        return partial(self.comm.scatter, self.send, self.recv, self.root, algorithm)
 
     def compute_expected(self):
         return self.block(self.root_input(), self.rank)
