@@ -23,10 +23,10 @@ from __future__ import annotations
 import atexit
 import functools
 import json
-from array import array
 import sys
 import threading
 import time
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn, Sequence, cast
 

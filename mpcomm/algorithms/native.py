@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import zlib
+from array import array
 from typing import Any, Callable
 
 import numpy as np
@@ -61,7 +62,7 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         _finish(buf, op, nan_pass)
 
 
-def express(t: Transport, buf, op: ReduceOp, totals) -> Callable[[Any], Any] | None:
+def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], Any] | None:
     """native's whole all-reduce of host arrays of ``buf``'s count, dtype and op on ``t`` as one C call
     (``native_calls.ExpressCall``), where that call does all :func:`allreduce` does: native waits in the one C call,
     starts its persistent request in it, or meets and blocks in it (:func:`_way`), which also finishes what is left
