@@ -5,14 +5,15 @@
 For each size (8 B .. 4 KiB) and each contender — raw ``MPI.Comm.Allreduce``, raw ``Iallreduce`` + ``Test`` loop
 (what a bounded wait costs in MPI alone), raw persistent ``Allreduce_init`` request's ``Start`` + ``Test`` loop (and
 ``native_calls.start``, which copies the buffer in and out around it in C: native's persistent way),
-``comm.allreduce`` with ``auto``/``native``/``tree`` (and, marked ``no trace``, on a Communicator with the flight
-recorder off: the recorder's cost is the difference; and where native's plan makes the call in one C call, that C
-call alone (which takes the lock, reads the clock and counts the stats itself), the plan's lookup and that call with
-nothing else (what any dispatcher that finds its plan in Python costs at least), and ``run_express``, which adds the
-gates and the recorder's entry: the rest is ``Communicator.allreduce``'s own call) — times a loop of ``--calls``
-calls after a barrier, round-robin over the contenders, ``--rounds`` times (so load drift hits all alike); a loop's
-time is the maximum over ranks. Reports the median loop (and min/max as the spread) in microseconds per call, and
-each contender's ratio to raw ``Allreduce`` of the same size in the same run.
+``comm.allreduce`` with ``auto``/``native``/``tree``/``rhd`` (rhd on two ranks: its exchange in one C call) (and,
+marked ``no trace``, on a Communicator with the flight recorder off: the recorder's cost is the difference; and
+where native's plan makes the call in one C call, that C call alone (which takes the lock, reads the clock and
+counts the stats itself), the plan's lookup and that call with nothing else (what any dispatcher that finds its plan
+in Python costs at least), and ``run_express``, which adds the gates and the recorder's entry: the rest is
+``Communicator.allreduce``'s own call) — times a loop of ``--calls`` calls after a barrier, round-robin over the
+contenders, ``--rounds`` times (so load drift hits all alike); a loop's time is the maximum over ranks. Reports the
+median loop (and min/max as the spread) in microseconds per call, and each contender's ratio to raw ``Allreduce`` of
+the same size in the same run.
 Point to point: a ping-pong between ranks 0 and 1 (``send`` then ``recv``, the partner the reverse), raw
 ``Send``/``Recv`` against ``comm.send``/``comm.recv``; microseconds per round trip.
 """
@@ -59,6 +60,7 @@ def allreduce_contenders(comm: Communicator, untraced: Communicator, buf: np.nda
         "mpcomm native": lambda: comm.allreduce(buf, algorithm="native"),
         "mpcomm native, no trace": lambda: untraced.allreduce(buf, algorithm="native"),
         "mpcomm tree": lambda: comm.allreduce(buf, algorithm="tree"),
+        "mpcomm rhd": lambda: comm.allreduce(buf, algorithm="rhd"),  # (two ranks: its exchange's one C call)
     }
     if persistent is not None:
         contenders["raw persistent Start+Test"] = persistent_start_test  # (on its own buffer: no copies)

@@ -1,5 +1,5 @@
-/* native's small all-reduce straight into the MPI library (built on first use by mpcomm/native_calls.py against the
- * MPI library mpi4py loaded, imported as mpcomm._native_calls).
+/* native's small all-reduce straight into the MPI library, and rhd's exchange of two ranks (built on first use by
+ * mpcomm/native_calls.py against the MPI library mpi4py loaded, imported as mpcomm._native_calls).
  *
  * A small all-reduce costs little more than its Python calls: mpi4py's request, its Tests, the copies in and out of
  * a persistent request's buffer and the NaN pass are each a call. Here they are one. The deadline stays Python's: a
@@ -312,25 +312,84 @@ static PyObject *start_view(long handle, PyObject *own_object, Py_buffer *buf, l
     return result;
 }
 
+/* The end of an exchange (exchange_view): rank 0's vector op rank 1's on both ranks (so the same bits), from the
+ * halves of `own` (this rank's, the other's) into `view`, `finished`. (MPI's inout = in op inout: in is rank 0's.) */
+static PyObject *exchange_reduced(MPI_Comm communicator, Py_buffer *view, char *mine, long op, long finish) {
+    int floats, rank, code;
+    Py_ssize_t parts, count;
+    MPI_Datatype type = reducible(view, finish, &floats, &parts, &count);
+    char *theirs = mine + view->len;
+    if ((code = MPI_Comm_rank(communicator, &rank)) != MPI_SUCCESS
+        || (code = MPI_Reduce_local(rank == 0 ? mine : theirs, rank == 0 ? theirs : view->buf, (int)count, type,
+                                    MPI_Op_f2c((MPI_Fint)op))) != MPI_SUCCESS)
+        return failed(code);
+    if (rank == 0) memcpy(view->buf, theirs, (size_t)view->len);
+    finished(view->buf, count * parts, floats, finish);
+    Py_RETURN_NONE;
+}
+
+/* The all-reduce of a communicator of two ranks as one exchange (rhd's small all-reduce at p = 2, algorithms/rhd.py,
+ * whose Python form it pairs with): `view` (writable, C-contiguous, with its format) copied into the first half of
+ * `own` (a writable buffer of twice its bytes), sent to the other rank as bytes with tag 0 while the second half
+ * receives that rank's, both tested `tests` times, then exchange_reduced. None once done; the bytes received where
+ * they are not `view`'s; else (receive, send, bound_arguments): the request handles, for the caller to wait on within
+ * the deadline, then to call exchanged(bound_arguments, buf); NotImplemented, with nothing sent, for a format or a
+ * finish this does not take. */
+static PyObject *exchange_view(long comm, Py_buffer *view, long op, long finish, long tests, Py_buffer *own,
+                               PyObject *bound_arguments) {
+    int floats, code = MPI_SUCCESS, rank, done = 0, received;
+    Py_ssize_t parts, count;
+    if (reducible(view, finish, &floats, &parts, &count) == MPI_DATATYPE_NULL || view->len > 0x7fffffff)
+        return Py_NewRef(Py_NotImplemented);
+    if (own->len != 2 * view->len) {
+        PyErr_Format(PyExc_ValueError, "exchange: own has %zd bytes, not twice the call's %zd", own->len, view->len);
+        return NULL;
+    }
+    char *mine = own->buf;
+    MPI_Comm communicator = MPI_Comm_f2c((MPI_Fint)comm);
+    MPI_Request requests[2];
+    MPI_Status statuses[2];
+    memcpy(mine, view->buf, (size_t)view->len);
+    if ((code = MPI_Comm_rank(communicator, &rank)) != MPI_SUCCESS
+        || (code = MPI_Irecv(mine + view->len, (int)view->len, MPI_BYTE, 1 - rank, 0, communicator, &requests[0]))
+               != MPI_SUCCESS
+        || (code = MPI_Isend(mine, (int)view->len, MPI_BYTE, 1 - rank, 0, communicator, &requests[1])) != MPI_SUCCESS)
+        return failed(code);
+    for (long i = 0; i < tests && !done; i++)
+        if ((code = MPI_Testall(2, requests, &done, statuses)) != MPI_SUCCESS)  /* (a request's own error, named) */
+            return failed(code != MPI_ERR_IN_STATUS ? code
+                          : statuses[0].MPI_ERROR != MPI_SUCCESS ? statuses[0].MPI_ERROR : statuses[1].MPI_ERROR);
+    if (!done)
+        return Py_BuildValue("(iiO)", (int)MPI_Request_c2f(requests[0]), (int)MPI_Request_c2f(requests[1]),
+                             bound_arguments);
+    if ((code = MPI_Get_count(&statuses[0], MPI_BYTE, &received)) != MPI_SUCCESS) return failed(code);
+    if (received != view->len) return PyLong_FromLong(received);
+    return exchange_reduced(communicator, view, mine, op, finish);
+}
+
 /* What an express call (ExpressCall) does with its `bound` arguments on `buf`: allreduce(comm, buf, op, finish,
  * tests) with bound = (comm, op, finish, tests), or meet_allreduce(comm, buf, op, finish, tests, kind, meeting) with
  * bound = (comm, op, finish, tests, kind, meeting), or start(request, own, buf, finish, tests) with bound =
  * (persistent, finish, tests), `persistent` the list [request, own, handle] of a persistent all-reduce (None once
- * done, not True): the arguments one plan's calls share, and NotImplemented, with nothing sent, for a buffer that is
- * not writable and C-contiguous too, or a persistent request not made (an empty list). */
+ * done, not True), or exchange_view(comm, buf, op, finish, tests, own) with bound = (comm, op, finish, tests, own):
+ * the arguments one plan's calls share, and NotImplemented, with nothing sent, for a buffer that is not writable and
+ * C-contiguous too, or a persistent request not made (an empty list). */
 static PyObject *express_bound(PyObject *bound_arguments, PyObject *buf) {
-    Py_ssize_t size = PyTuple_GET_SIZE(bound_arguments); /* (3, 4 or 6: checked when the ExpressCall is made) */
+    Py_ssize_t size = PyTuple_GET_SIZE(bound_arguments); /* (3 to 6: checked when the ExpressCall is made) */
     PyObject *persistent = size == 3 ? PyTuple_GET_ITEM(bound_arguments, 0) : NULL;
     if (persistent != NULL && !(PyList_CheckExact(persistent) && PyList_GET_SIZE(persistent) == 3))
         return Py_NewRef(Py_NotImplemented);
     long bound[5];
-    for (int i = 0; i < (size == 6 ? 5 : size); i++)
+    for (int i = 0; i < (size >= 5 ? size - 1 : size); i++)  /* (the integers: all but an exchange's own, a meeting) */
         if ((bound[i] = PyLong_AsLong(persistent != NULL && i == 0 ? PyList_GET_ITEM(persistent, 2)
                                                                    : PyTuple_GET_ITEM(bound_arguments, i))) == -1
             && PyErr_Occurred())
             return NULL;
-    Py_buffer view, meeting;
+    Py_buffer view, meeting, own;
     if (size == 6 && !meeting_of(PyTuple_GET_ITEM(bound_arguments, 5), &meeting)) return NULL;
+    if (size == 5
+        && PyObject_GetBuffer(PyTuple_GET_ITEM(bound_arguments, 4), &own, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
+        return NULL;
     PyObject *result;
     if (PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
         PyErr_Clear();
@@ -343,13 +402,41 @@ static PyObject *express_bound(PyObject *bound_arguments, PyObject *buf) {
                 result = Py_NewRef(Py_None);
             }
         } else {
-            result = size == 4 ? allreduce_view(bound[0], &view, bound[1], bound[2], bound[3])
-                               : meet_allreduce_view(bound[0], &view, bound[1], bound[2], bound[3], bound[4],
-                                                     meeting.buf);
+            result = size == 4   ? allreduce_view(bound[0], &view, bound[1], bound[2], bound[3])
+                     : size == 5 ? exchange_view(bound[0], &view, bound[1], bound[2], bound[3], &own, bound_arguments)
+                                 : meet_allreduce_view(bound[0], &view, bound[1], bound[2], bound[3], bound[4],
+                                                       meeting.buf);
         }
         PyBuffer_Release(&view);
     }
     if (size == 6) PyBuffer_Release(&meeting);
+    if (size == 5) PyBuffer_Release(&own);
+    return result;
+}
+
+/* exchanged(bound, buf): the end of an exchange whose express call returned its requests, once the caller has waited
+ * for them: exchange_reduced into `buf` with the call's bound = (comm, op, finish, tests, own). */
+static PyObject *exchanged(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long bound[3];
+    if (nargs != 2 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 5) {
+        PyErr_SetString(PyExc_TypeError, "exchanged(bound, buf): bound = (comm, op, finish, tests, own)");
+        return NULL;
+    }
+    for (int i = 0; i < 3; i++)
+        if ((bound[i] = PyLong_AsLong(PyTuple_GET_ITEM(args[0], i))) == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view, own;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], 4), &own, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    PyObject *result = own.len == 2 * view.len
+                           ? exchange_reduced(MPI_Comm_f2c((MPI_Fint)bound[0]), &view, own.buf, bound[1], bound[2])
+                           : PyErr_Format(PyExc_ValueError, "exchanged: own has %zd bytes, not twice the call's %zd",
+                                          own.len, view.len);
+    PyBuffer_Release(&own);
+    PyBuffer_Release(&view);
     return result;
 }
 
@@ -474,7 +561,7 @@ static double now(void) {
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    PyObject *bound;   /* express_bound's arguments (a tuple of 3, 4 or 6) */
+    PyObject *bound;   /* express_bound's arguments (a tuple of 3 to 6) */
     Busy *busy;        /* the transport's lock */
     Py_buffer totals;  /* the plan's stats entry: calls, bytes, seconds (3 doubles) */
     double nbytes;     /* what a call adds to the entry's bytes */
@@ -529,9 +616,9 @@ static PyObject *express_new(PyTypeObject *type, PyObject *args, PyObject *names
     if (!PyArg_ParseTuple(args, "O!O!Od:ExpressCall", &PyTuple_Type, &bound, &BusyType, &busy, &totals, &nbytes))
         return NULL;
     Py_ssize_t size = PyTuple_GET_SIZE(bound);
-    if (size != 3 && size != 4 && size != 6) {
+    if (size < 3 || size > 6) {
         PyErr_Format(PyExc_ValueError, "ExpressCall: bound has %zd items: (comm, op, finish, tests[, kind, meeting]) "
-                                       "| (persistent, finish, tests)", size);
+                                       "| (comm, op, finish, tests, own) | (persistent, finish, tests)", size);
         return NULL;
     }
     ExpressCall *self = (ExpressCall *)type->tp_alloc(type, 0);
@@ -627,6 +714,8 @@ static PyMethodDef methods[] = {
      "handle | NotImplemented"},
     {"start", (PyCFunction)(void (*)(void))start, METH_FASTCALL,
      "start(request, own, buf, finish, tests) -> True (done, copied back) | False | NotImplemented"},
+    {"exchanged", (PyCFunction)(void (*)(void))exchanged, METH_FASTCALL,
+     "exchanged(bound, buf): the end of an exchange whose express call returned its requests (waited for)"},
     {"canonical_nans", canonical_nans_call, METH_O, "canonical_nans(buf): numpy's NaN wherever buf holds one"},
     {"create_ops", create_ops, METH_NOARGS, "create_ops() -> Fortran handles of the (sum, prod, max, min) MPI ops"},
     {"clock", clock_call, METH_NOARGS, "clock() -> the seconds of the clock ExpressCall reads (time.perf_counter's)"},

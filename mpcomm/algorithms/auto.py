@@ -29,6 +29,8 @@ from ..kernels import KEY_DTYPES
 from ..mpi_library import Library, copies_input, library
 from ..tuning.table import TABLE_FORMAT, check_table
 from . import KEEP_LOW_PRECISION
+from .native import one_call_takes
+from .rhd import EXCHANGE_UPTO
 
 # algorithms whose every step waits for its partner's previous one, reduction included (not direct's one exchange)
 STEPWISE = ("ring", "ring_pipelined", "rhd", "tree", "hierarchical")
@@ -40,8 +42,8 @@ FRESH_PAGES_FROM = (32 << 20) - 4096  # glibc maps blocks from 32 MiB (its large
 _FLOAT32 = np.dtype(np.float32)
 # CostModel's terms for what a core does (a step's wait for its peer to run, a byte copied, reduced or converted),
 # which ranks sharing cores pay r times over (CostModel.for_layout)
-_SHARED_CORE_TERMS = ("alpha_py", "alpha_native", "alpha_segment", "alpha_pass", "alpha_kernel", "beta", "gamma",
-                      "widen_byte", "pass_byte", "kernel16_byte", "fresh_page_byte")
+_SHARED_CORE_TERMS = ("alpha_py", "alpha_native", "alpha_exchange", "alpha_segment", "alpha_pass", "alpha_kernel",
+                      "beta", "gamma", "widen_byte", "pass_byte", "kernel16_byte", "fresh_page_byte")
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,11 @@ class CostModel:
 
     alpha_py: float = 25e-6
     alpha_native: float = 3e-6
+    # rhd's all-reduce of two ranks up to EXCHANGE_UPTO is one exchange, on host arrays one C call (rhd.express):
+    # besides its bytes, priced below native's two steps, as it took 0.67-0.73x native's time on Open MPI and
+    # 0.88-1.0x on MPICH at 8 B-64 KiB (openmpi.md, "Stop 59"); None where no such call is made (the torch
+    # backend's groups, whose C++ all-reduce is native's: integrations/torch/group.py)
+    alpha_exchange: float | None = 1.5e-6
     alpha_segment: float = 10e-6
     alpha_net: float = 2e-6
     beta: float = 1 / 5e9
@@ -275,6 +282,12 @@ class CostModel:
             part /= 2
         return total
 
+    def exchange(self, n: float, layout: Layout, alpha: float) -> float:
+        """Two ranks all-reducing n bytes by one exchange (rhd's up to ``EXCHANGE_UPTO``): a message each way, the
+        whole vector reduced."""
+        a, b = self._link(layout.num_nodes > 1, alpha)
+        return a + n * b + self._reduce(n)
+
     def tree(self, n: float, layout: Layout, alpha: float | None = None) -> float:
         """Binomial reduce to rank 0 then binomial broadcast: every round moves the whole vector. Where messages
         are copied once, by the receiver (``single_copy``), a round's p / (2 mask) pairs need a core each, not two:
@@ -322,7 +335,8 @@ class CostModel:
 
             return self.ring(n, p, crosses, self.alpha_py, segment=SEGMENT_BYTES)
         if algorithm == "rhd":
-            return self.rhd(n, layout, self.alpha_py)
+            return self.exchange(n, layout, self.alpha_py) if p == 2 and n <= EXCHANGE_UPTO \
+                else self.rhd(n, layout, self.alpha_py)
         if algorithm == "tree":
             return self.tree(n, layout)
         if algorithm == "hierarchical":
@@ -385,6 +399,10 @@ class CostModel:
         """Predicted seconds of a whole call: the collective on the bytes it moves plus :meth:`passes`."""
         if dtype is None:
             return self.collective(operation, algorithm, nbytes, layout)
+        alpha = self.alpha_exchange
+        if operation == "allreduce" and algorithm == "rhd" and alpha is not None \
+                and self._exchanges_in_c(nbytes, layout, dtype, op):
+            return self.exchange(nbytes, layout, alpha)  # (as it is, finished in the call)
         wire = self.wire_bytes(algorithm, nbytes, dtype, op)
         seconds = self.collective(operation, algorithm, wire, layout)
         scale = dict(self.native_int_scale).get(dtype.itemsize, 1.0) if dtype.kind in "iub" else 1.0
@@ -393,6 +411,14 @@ class CostModel:
         if algorithm == "native" and op is not None and scale != 1.0:
             seconds += (scale - 1.0) * (seconds - self.collective(operation, algorithm, 0, layout))
         return seconds + self.passes(operation, algorithm, nbytes, layout, dtype, op)
+
+    def _exchanges_in_c(self, nbytes: int, layout: Layout, dtype: np.dtype, op: str | None) -> bool:
+        """Whether rhd's all-reduce of ``nbytes`` is its exchange in one C call (``rhd.express``), for host arrays
+        of ``dtype`` reduced by ``op``: on two ranks, up to ``EXCHANGE_UPTO``, where native's one C call would take
+        them (float min/max: where it reduces them with mpcomm's own ops, on one node)."""
+        own_min_max = layout.num_nodes == 1 and self.native_min_max_op
+        return layout.size == 2 and 0 < nbytes <= EXCHANGE_UPTO and op is not None \
+            and one_call_takes(dtype, op, own_min_max)
 
     def compressed_allreduce(self, wire: str, nbytes: float, layout: Layout) -> float:
         """Predicted seconds of ``allreduce(wire=wire)`` of ``nbytes`` float32 bytes (``algorithms/compressed.py``):

@@ -39,7 +39,7 @@ _OP_DTYPES = {MIN: frozenset(KEY_DTYPES), MAX: frozenset(KEY_DTYPES), SUM: froze
               AVG: frozenset(KEY_DTYPES), PROD: frozenset(KEY_DTYPES)}
 _PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) one transport keeps at most
 _ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-reduce, holding the GIL throughout
-_C_TESTS = 4  # native_calls' Tests per quick Test of the transport's (transport.py): one costs a quarter of mpi4py's
+C_TESTS = 4  # native_calls' Tests per quick Test of the transport's (transport.py): one costs a quarter of mpi4py's
 # The meeting's Tests in native_calls before the deadline's wait, the GIL released: only ranks with a core each meet,
 # and the blocking call after it spins as long
 _MEETING_TESTS = 1000
@@ -72,28 +72,39 @@ def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], A
     made yet, else what is left for :func:`complete` (``t.in_use`` still held): the request still running, or the
     meeting's (or False: the ranks disagree). None where there is no such call (nor for p = 1 or an empty array,
     which send nothing)."""
-    calls, nbytes = load_calls(), buf.nbytes
-    taken = calls is not None and type(buf) is np.ndarray and buf.dtype in _C_DTYPES and t.size > 1 and nbytes
-    how = _how(t, buf, op) if taken else None
-    if how is None:
+    calls, nbytes, reduction = load_calls(), buf.nbytes, one_call(t, buf, op)
+    if reduction is None:
         return None
     way = _way(t, nbytes, calls)
     if way not in (_ONE_CALL, _MEET, _PERSISTENT) or (way == _PERSISTENT and nbytes > _ONE_CALL_UPTO):
         return None
-    mpi_op, finish, nan_pass = how
-    if finish == 0 and (op.divisor != 1 or nan_pass):  # (a pass left after the call)
-        return None
+    mpi_op, finish = reduction
     bound: tuple
     if way == _PERSISTENT:
         persistent = t.persistent_requests.setdefault(_persistent_key(buf, op, mpi_op), [])
         if persistent is None:  # (the library has none)
             return None
-        bound = (persistent, finish, t.quick_tests * _C_TESTS)  # (filled where it is made: _persistent_allreduce)
+        bound = (persistent, finish, t.quick_tests * C_TESTS)  # (filled where it is made: _persistent_allreduce)
     elif way == _MEET:
         bound = (t.fortran, mpi_op.py2f(), finish, _MEETING_TESTS, _kind(buf.dtype, op.name), _meeting(t))
     else:
-        bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * _C_TESTS)
+        bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * C_TESTS)
     return calls.ExpressCall(bound, t.in_use, totals, float(nbytes))
+
+
+def one_call(t: Transport, buf, op: ReduceOp) -> tuple[MPI.Op, int] | None:
+    """The MPI op and ``native_calls``' finish with which one C call reduces ``buf`` with ``op`` on ``t`` and leaves
+    nothing after it (native's :func:`express`, rhd's exchange); None where it cannot: no extension, not a host
+    array of a dtype it takes (``_C_DTYPES``) on a host transport, p = 1 or nothing to send, float min/max as integer
+    keys, or a pass left after the call."""
+    if load_calls() is None or type(buf) is not np.ndarray or buf.dtype not in _C_DTYPES or t.size == 1 \
+            or not buf.nbytes or not isinstance(t, Transport):
+        return None
+    how = _how(t, buf, op)
+    if how is None:
+        return None
+    mpi_op, finish, nan_pass = how
+    return None if finish == 0 and (op.divisor != 1 or nan_pass) else (mpi_op, finish)
 
 
 def complete(t: Transport, buf, op: ReduceOp, outcome) -> None:
@@ -112,6 +123,13 @@ def complete(t: Transport, buf, op: ReduceOp, outcome) -> None:
     else:
         t.wait_one(MPI.Request.f2py(outcome))
     _finish(buf, op, nan_pass)
+
+
+def one_call_takes(dtype: np.dtype, op: str, own_min_max: bool) -> bool:
+    """Whether :func:`one_call` takes host arrays of ``dtype`` reduced by ``op`` (its name), where the extension is
+    built and float min/max are mpcomm's own ops (``own_min_max``) or not: what auto's model assumes of it."""
+    return dtype in _C_DTYPES and not (op == AVG and dtype not in KEY_DTYPES) \
+        and not (op in _MIN_MAX and dtype in KEY_DTYPES and not own_min_max)
 
 
 def _how(t: Transport, buf, op: ReduceOp) -> tuple[MPI.Op, int, bool] | None:
@@ -224,7 +242,7 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, finish: int = 0, mpi_op
         if way == _MEET:
             return _meet_then_block(t, buf, op, mpi_op, finish)
         if way == _ONE_CALL:
-            request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), finish, t.quick_tests * _C_TESTS)
+            request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), finish, t.quick_tests * C_TESTS)
             if request is None:
                 return finish != 0
             if request is not NotImplemented:
@@ -316,7 +334,7 @@ def _start(t: Transport, buf, persistent: list, calls, finish: int) -> bool:
     """``buf`` <- the all-reduce of ``persistent`` (request, its buffer, its Fortran handle) started on ``buf``'s
     values; True if it was also finished as ``finish`` asks (in ``native_calls``' one call)."""
     request, own, handle = persistent
-    done = NotImplemented if calls is None else calls.start(handle, own, buf, finish, t.quick_tests * _C_TESTS)
+    done = NotImplemented if calls is None else calls.start(handle, own, buf, finish, t.quick_tests * C_TESTS)
     if done is NotImplemented:  # (mpi4py's calls: the same MPI calls, one by one)
         own[...] = buf
         request.Start()

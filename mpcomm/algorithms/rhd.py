@@ -5,13 +5,29 @@ all-gather by recursive doubling. For p not a power of two the standard fold-in 
 2*rem ranks (rem = p - 2^floor(log2 p)), each even rank hands its data to the odd rank above it and
 sits out; the 2^k remaining ranks run the power-of-two algorithm on "blocks" that cover the chunks of
 both partners; at the end the odd ranks hand the result back.
+
+Two ranks all-reduce a small vector by recursive doubling's one round instead (:func:`exchange`): the whole
+vector each way, one message where halving and doubling send two; on host arrays in one C call (:func:`express`).
 """
 from __future__ import annotations
 
+from array import array
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
 from ..buffers import ReduceOp
+from ..errors import MpcommError
 from ..kernels import combine
+from ..native_calls import load as load_calls
 from ..transport import Transport
+from . import native
 from .chunks import chunk_bounds, equal_bounds
+
+# At p = 2 up to this many bytes the all-reduce is one exchange; its C call holds the GIL, as native's one call does
+# up to the same size
+EXCHANGE_UPTO = 64 << 10
 
 
 class _Fold:
@@ -146,6 +162,9 @@ def reduce(t: Transport, sendbuf, recvbuf, op: ReduceOp, root: int = 0) -> None:
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
+    if t.size == 2 and buf.nbytes <= EXCHANGE_UPTO:
+        exchange(t, buf, op)
+        return
     fold = _Fold(t.size, t.rank)
     if fold.vrank is None:  # even rank of a folded pair: hand the data over, get the result back
         t.send(buf, t.rank + 1)
@@ -187,3 +206,49 @@ def all_gather(t: Transport, sendbuf, recvbuf) -> None:
     doubling_all_gather(t, fold, recvbuf, fold.blocks(bounds))
     if t.rank < 2 * fold.rem:
         t.send(recvbuf, t.rank - 1)
+
+
+def exchange(t: Transport, buf, op: ReduceOp) -> None:
+    """Two ranks: the whole vector sent each way, then rank 0's op rank 1's on both, so both hold the same bits.
+    What :func:`express`'s C call takes is reduced and finished as it does (``native_calls.exchanged``), so a rank
+    whose buffer that call does not take (or whose plan is new) pairs with it here; the rest as the algorithms
+    reduce (``combine``)."""
+    peer, nbytes = 1 - t.rank, buf.nbytes
+    reduction = native.one_call(t, buf, op) if buf.flags.c_contiguous and buf.flags.writeable else None
+    if reduction is None:
+        incoming = t.scratch("rhd.recv", buf.size, buf.dtype, like=buf)
+        t.sendrecv(buf, peer, incoming, peer)
+        combine(*((buf, incoming) if t.rank == 0 else (incoming, buf)), buf, op, True)
+        return
+    own = t.scratch("rhd.exchange", 2 * nbytes, np.uint8)  # (as the C call's: this rank's vector, the other's)
+    own[:nbytes].view(buf.dtype)[...] = buf.reshape(-1)
+    t.sendrecv(own[:nbytes], peer, own[nbytes:], peer)
+    mpi_op, finish = reduction
+    load_calls().exchanged((t.fortran, mpi_op.py2f(), finish, 0, own), buf)
+
+
+def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], Any] | None:
+    """:func:`exchange` of host arrays of ``buf``'s count, dtype and op on ``t`` as one C call
+    (``native_calls.ExpressCall``), reducing with the MPI op and finish of native's one call
+    (:func:`native.one_call`); it holds ``t.in_use`` and counts into ``totals`` as native's :func:`native.express`.
+    Called on an array: None once done, NotImplemented (nothing sent) for an array it does not take, else what is
+    left for :func:`complete`. None where there is no such call (p != 2, more than ``EXCHANGE_UPTO`` bytes)."""
+    reduction = native.one_call(t, buf, op) if t.size == 2 and buf.nbytes <= EXCHANGE_UPTO else None
+    if reduction is None:
+        return None
+    mpi_op, finish = reduction
+    own = np.empty(2 * buf.nbytes, np.uint8)  # (this rank's vector as sent, the other's as received)
+    bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * native.C_TESTS, own)
+    return load_calls().ExpressCall(bound, t.in_use, totals, float(buf.nbytes))
+
+
+def complete(t: Transport, buf, op: ReduceOp, outcome) -> None:
+    """The rest of an exchange whose express call returned ``outcome``: its requests waited for within the deadline,
+    then reduced and finished in C (``native_calls.exchanged``); a message of another size is an error."""
+    peer = 1 - t.rank
+    if type(outcome) is int:
+        raise MpcommError(f"rank {t.rank}: {t.operation}: received {outcome} bytes from rank {peer}, expected "
+                          f"{buf.nbytes} (do all ranks pass the same sizes and dtypes?)")
+    receiving, sending, bound = outcome
+    t.wait([MPI.Request.f2py(receiving), MPI.Request.f2py(sending)], (peer, peer), (buf.nbytes, None))
+    load_calls().exchanged(bound, buf)

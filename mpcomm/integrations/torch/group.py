@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Sequence, cast
 
@@ -50,6 +51,8 @@ class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):  # type: ignor
         # one, which native would start for the same call issued asynchronously (the lane's Python path); set before
         # any call (the Communicator is the group's own, new)
         comm.transport.starts_persistent = False
+        # nor does auto send its small calls to rhd's exchange, which would take them off that C++ path
+        comm.selector.model = replace(comm.selector.model, alpha_exchange=None)
         self._name = name or f"rank{comm.rank}"
         self._lane = Lane(self._name, threaded=MPI.Query_thread() >= MPI.THREAD_MULTIPLE,
                           on_failure=self._note_failure)
