@@ -462,6 +462,27 @@ def test_direct_all_reduces_in_p_steps_on_one_node(p):
         assert model.allreduce("direct", n, nodes) == model.allreduce("ring", n, nodes), n
 
 
+@pytest.mark.parametrize("library_name, upto", [("mpich", 4 << 10), ("openmpi", 16 << 10)])
+def test_two_ranks_take_rhds_exchange_in_c_where_native_would_reduce_in_its_one_call(library_name, upto):
+    """On two ranks rhd's small all-reduce is one exchange in one C call (rhd.express), which timed call by call
+    took 0.7-0.9x native's time up to the library's ``exchange_upto`` (openmpi.md, "Stop 59"): auto picks it there,
+    on one node or two, for every (dtype, op) that native's one C call takes (not float16/bfloat16, which are
+    widened, nor a complex avg, nor float max across nodes, where native reduces keys), and not above it, nor on three ranks, nor where the model has no such call (the
+    torch backend's groups: ``alpha_exchange`` None)."""
+    f16, f32, c64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.complex64)
+    for layout in (Layout(2, (2,)), Layout.blocks(2, 1)):
+        selector = library_selector(library_name, layout)
+        without = Selector(layout, selector.candidates, replace(selector.model, alpha_exchange=None))
+        maxima = [(f32, "max")] if layout.num_nodes == 1 else []  # (across nodes native keeps MPI's, and keys)
+        for dtype, op in [(f32, "sum"), *maxima, (f32, "avg"), (np.dtype(np.int8), "prod"), (c64, "sum")]:
+            assert [selector.predict("allreduce", n, dtype=dtype, op=op) for n in (8, upto)] == ["rhd", "rhd"]
+            assert selector.predict("allreduce", 2 * upto, dtype=dtype, op=op) != "rhd", (dtype, op)
+            assert without.predict("allreduce", 8, dtype=dtype, op=op) == "native", (dtype, op)
+        for dtype, op in [(f16, "sum"), (c64, "avg"), *([(f32, "max")] if layout.num_nodes > 1 else [])]:
+            assert selector.predict("allreduce", 8, dtype=dtype, op=op) != "rhd", (dtype, op)
+    assert library_selector(library_name, Layout(3, (3,))).predict("allreduce", 8, dtype=f32, op="sum") == "native"
+
+
 @pytest.mark.parametrize("library_name", ["mpich", "openmpi"])
 def test_with_ranks_sharing_cores_direct_leads_the_step_by_step_algorithms_from_4_mib(library_name):
     """p = 4 on 2 cores: a rank of the ring, rhd or the tree that waits for its partner's step holds a core the
@@ -616,8 +637,7 @@ def test_auto_on_one_open_mpi_node_keeps_native_below_16_mib_and_leaves_it_from_
     from 16 MiB the pipelined ring leads (its segments reduced in cache; at 16 MiB all were within ~10 % and it
     misses fewer cells), and from 32 MiB native takes ~2x mpcomm's ring and rhd (its temporary's fresh pages);
     avg at 256-512 KiB is the ring's (its division rides on the last addition; native's takes a pass of its
-    own), at 64 KiB rhd's exchange's (one C call, as every all-reduce of two ranks up to EXCHANGE_UPTO):
-    bench/results/openmpi.md, "Stop 32" and "Stop 59", dtype_op.md, "Stop 34" and "Stop 53"."""
+    own), at 64 KiB still native's: bench/results/openmpi.md, "Stop 32", dtype_op.md, "Stop 34" and "Stop 53"."""
     selector = library_selector("openmpi", Layout(2, (2,)))
     for op in ("sum", "max"):
         for dtype in (np.float32, np.float64):
@@ -628,7 +648,7 @@ def test_auto_on_one_open_mpi_node_keeps_native_below_16_mib_and_leaves_it_from_
         assert selector.predict("allreduce", 512 << 10, dtype=np.dtype(np.float32), op="avg") in ("ring", "rhd")
     for dtype in (np.float32, np.float64):
         assert [selector.predict("allreduce", n, dtype=np.dtype(dtype), op="avg") for n in (64 << 10, 256 << 10)] \
-            == ["rhd", "ring"]
+            == ["native", "ring"]
     in_node, across = selector.model.for_layout(selector.layout), selector.model.for_layout(Layout(4, (2, 2)))
     assert (in_node.overlap, in_node.alpha_py) == (False, selector.model.alpha_py_in_node)
     crowded = selector.model.for_layout(Layout(4, (4,), ranks_per_core=2.0))  # (a step waits for the scheduler)

@@ -29,9 +29,15 @@ typedef struct {
     MPI_Request persistent, pair[2];
 } Calls;
 
+/* (MPI_Test for one request: MPICH 5.0.2's MPI_Testall of one collective request fails with MPI_ERR_IN_STATUS, its
+ * status saying no error) */
 static void wait_all(int count, MPI_Request *requests) {
     int done = 0;
-    while (!done) MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
+    while (!done)
+        if (count == 1)
+            MPI_Test(requests, &done, MPI_STATUS_IGNORE);
+        else
+            MPI_Testall(count, requests, &done, MPI_STATUSES_IGNORE);
 }
 
 static void call(int way, Calls *c) {
@@ -84,7 +90,7 @@ int main(int argc, char **argv) {
     }
     if (rank == 0) printf("%8s  %s\n", "bytes", "us per call (x blocking): blocking, Iallreduce, persistent, exchange, "
                                                "persistent exchange");
-    for (int bytes = 8; bytes <= 64 << 10; bytes *= 8) {
+    for (int bytes = 8; bytes <= 64 << 10; bytes *= bytes < 4096 ? 8 : 2) {
         Calls c = {.n = bytes / (int)sizeof(double), .peer = 1 - rank};
         c.buf = calloc((size_t)c.n, sizeof(double)), c.own = calloc((size_t)c.n, sizeof(double));
         c.send = calloc((size_t)c.n, sizeof(double)), c.recv = calloc((size_t)c.n, sizeof(double));

@@ -119,10 +119,12 @@ class CostModel:
     alpha_py: float = 25e-6
     alpha_native: float = 3e-6
     # rhd's all-reduce of two ranks up to EXCHANGE_UPTO is one exchange, on host arrays one C call (rhd.express):
-    # besides its bytes, priced below native's two steps, as it took 0.67-0.73x native's time on Open MPI and
-    # 0.88-1.0x on MPICH at 8 B-64 KiB (openmpi.md, "Stop 59"); None where no such call is made (the torch
-    # backend's groups, whose C++ all-reduce is native's: integrations/torch/group.py)
+    # besides its bytes, priced below native's two steps up to ``exchange_upto`` bytes, where timed call by call it
+    # took 0.7-0.9x native's time on Open MPI (to 16 KiB; 1.0-1.2x at 32 KiB) and 0.8-1.07x on MPICH (to 4 KiB;
+    # from 8 KiB its integer sums 1.5-2x native's) (openmpi.md, "Stop 59"); above, priced as rhd's steps. None
+    # where no such call is made (the torch backend's groups, whose C++ all-reduce is native's: torch/group.py).
     alpha_exchange: float | None = 1.5e-6
+    exchange_upto: int = 4 << 10
     alpha_segment: float = 10e-6
     alpha_net: float = 2e-6
     beta: float = 1 / 5e9
@@ -334,9 +336,8 @@ class CostModel:
             from .pipelined import SEGMENT_BYTES
 
             return self.ring(n, p, crosses, self.alpha_py, segment=SEGMENT_BYTES)
-        if algorithm == "rhd":
-            return self.exchange(n, layout, self.alpha_py) if p == 2 and n <= EXCHANGE_UPTO \
-                else self.rhd(n, layout, self.alpha_py)
+        if algorithm == "rhd":  # (two ranks' Python exchange priced as halving's steps: measured no faster there)
+            return self.rhd(n, layout, self.alpha_py)
         if algorithm == "tree":
             return self.tree(n, layout)
         if algorithm == "hierarchical":
@@ -399,10 +400,10 @@ class CostModel:
         """Predicted seconds of a whole call: the collective on the bytes it moves plus :meth:`passes`."""
         if dtype is None:
             return self.collective(operation, algorithm, nbytes, layout)
-        alpha = self.alpha_exchange
-        if operation == "allreduce" and algorithm == "rhd" and alpha is not None \
-                and self._exchanges_in_c(nbytes, layout, dtype, op):
-            return self.exchange(nbytes, layout, alpha)  # (as it is, finished in the call)
+        exchange = self._exchange(nbytes, layout, dtype, op) if operation == "allreduce" and algorithm == "rhd" \
+            else None
+        if exchange is not None:
+            return exchange
         wire = self.wire_bytes(algorithm, nbytes, dtype, op)
         seconds = self.collective(operation, algorithm, wire, layout)
         scale = dict(self.native_int_scale).get(dtype.itemsize, 1.0) if dtype.kind in "iub" else 1.0
@@ -412,13 +413,18 @@ class CostModel:
             seconds += (scale - 1.0) * (seconds - self.collective(operation, algorithm, 0, layout))
         return seconds + self.passes(operation, algorithm, nbytes, layout, dtype, op)
 
-    def _exchanges_in_c(self, nbytes: int, layout: Layout, dtype: np.dtype, op: str | None) -> bool:
-        """Whether rhd's all-reduce of ``nbytes`` is its exchange in one C call (``rhd.express``), for host arrays
-        of ``dtype`` reduced by ``op``: on two ranks, up to ``EXCHANGE_UPTO``, where native's one C call would take
-        them (float min/max: where it reduces them with mpcomm's own ops, on one node)."""
-        own_min_max = layout.num_nodes == 1 and self.native_min_max_op
-        return layout.size == 2 and 0 < nbytes <= EXCHANGE_UPTO and op is not None \
-            and one_call_takes(dtype, op, own_min_max)
+    def _exchange(self, nbytes: int, layout: Layout, dtype: np.dtype, op: str | None) -> float | None:
+        """Seconds of rhd's all-reduce of two ranks up to ``EXCHANGE_UPTO``, one exchange: in one C call where
+        native's one C call would take (``dtype``, ``op``) (float min/max: where it reduces them with mpcomm's own
+        ops, on one node), up to ``exchange_upto`` (above it None: priced as rhd's steps, as it measured); else
+        Python's one step, with its passes. None where rhd is not that exchange."""
+        if layout.size != 2 or not 0 < nbytes <= EXCHANGE_UPTO or op is None:
+            return None
+        if one_call_takes(dtype, op, layout.num_nodes == 1 and self.native_min_max_op):
+            alpha = self.alpha_exchange
+            return None if alpha is None or nbytes > self.exchange_upto else self.exchange(nbytes, layout, alpha)
+        wire = self.wire_bytes("rhd", nbytes, dtype, op)
+        return self.exchange(wire, layout, self.alpha_py) + self.passes("allreduce", "rhd", nbytes, layout, dtype, op)
 
     def compressed_allreduce(self, wire: str, nbytes: float, layout: Layout) -> float:
         """Predicted seconds of ``allreduce(wire=wire)`` of ``nbytes`` float32 bytes (``algorithms/compressed.py``):
