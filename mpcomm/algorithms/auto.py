@@ -336,7 +336,7 @@ class CostModel:
             from .pipelined import SEGMENT_BYTES
 
             return self.ring(n, p, crosses, self.alpha_py, segment=SEGMENT_BYTES)
-        if algorithm == "rhd":  # (two ranks' Python exchange priced as halving's steps: measured no faster there)
+        if algorithm == "rhd":  # (two ranks' exchange is priced in call(), whose dtype and op say which it is)
             return self.rhd(n, layout, self.alpha_py)
         if algorithm == "tree":
             return self.tree(n, layout)
