@@ -481,6 +481,9 @@ def test_two_ranks_take_rhds_exchange_in_c_where_native_would_reduce_in_its_one_
         for dtype, op in [(f16, "sum"), (c64, "avg"), *([(f32, "max")] if layout.num_nodes > 1 else [])]:
             assert selector.predict("allreduce", 8, dtype=dtype, op=op) != "rhd", (dtype, op)
     assert library_selector(library_name, Layout(3, (3,))).predict("allreduce", 8, dtype=f32, op="sum") == "native"
+    crowded = Layout(4, (4,), ranks_per_core=2.0)  # (a model without the call, on ranks sharing cores: its terms x r)
+    assert replace(CostModel(), alpha_exchange=None).for_layout(crowded).alpha_exchange is None
+    assert CostModel().for_layout(crowded).alpha_exchange == 2 * CostModel().alpha_exchange
 
 
 @pytest.mark.parametrize("library_name", ["mpich", "openmpi"])

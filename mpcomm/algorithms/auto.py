@@ -232,8 +232,8 @@ class CostModel:
             if layout.num_nodes == 1 and self.alpha_py_in_node is not None:
                 model = replace(model, alpha_py=self.alpha_py_in_node)
             return model
-        return replace(model, overlap=False, cold_byte=0.0,
-                       **{name: getattr(model, name) * r for name in _SHARED_CORE_TERMS})
+        shared = {name: value * r for name in _SHARED_CORE_TERMS if (value := getattr(model, name)) is not None}
+        return replace(model, overlap=False, cold_byte=0.0, **shared)
 
     # -------------------------------------------------------------- building blocks
     def _link(self, crosses: bool, alpha: float) -> tuple[float, float]:
