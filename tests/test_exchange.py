@@ -107,6 +107,22 @@ def test_every_op_is_numpys_on_both_ranks(pair, monkeypatch, path, dtype):
         assert everyone[comm.rank][1] == expected_runs, f"{everyone[comm.rank][1]} calls through run()"
 
 
+@pytest.mark.mpi(min_size=2)
+def test_every_plans_c_call_shares_the_transports_one_buffer(pair):
+    """Plans of many shapes keep one exchange buffer between them (the transport's, of twice EXCHANGE_UPTO), not one
+    each: results still numpy's when shapes alternate."""
+    comm = pair
+    counts = [1, 100, 4099, rhd.EXCHANGE_UPTO // 8]
+    xs = [np.arange(n, dtype=np.float64) + comm.rank for n in counts]
+    for _ in range(2):  # (the first calls make the plans)
+        results = [comm.allreduce(x.copy(), algorithm="rhd") for x in xs]
+    owns = [comm._planned_allreduce(x, "sum", "rhd").express.bound[4] for x in xs]
+    assert all(np.shares_memory(owns[0], own) for own in owns[1:])
+    assert {own.base.nbytes if own.base is not None else own.nbytes for own in owns} == {2 * rhd.EXCHANGE_UPTO}
+    for n, result in zip(counts, results):
+        np.testing.assert_array_equal(result, 2 * np.arange(n) + 1)
+
+
 LATE_CASES = [(np.float32, "sum"), (np.float64, "avg"), (np.int32, "prod"), (np.float32, "max")]
 
 

@@ -237,7 +237,9 @@ def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], A
     if reduction is None:
         return None
     mpi_op, finish = reduction
-    own = np.empty(2 * buf.nbytes, np.uint8)  # (this rank's vector as sent, the other's as received)
+    # this rank's vector as sent, the other's as received: in the transport's one buffer for every plan's call (they
+    # run one at a time), made at its largest at once
+    own = t.scratch("rhd.exchange", 2 * EXCHANGE_UPTO, np.uint8)[: 2 * buf.nbytes]
     bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * native.C_TESTS, own)
     return load_calls().ExpressCall(bound, t.in_use, totals, float(buf.nbytes))
 
