@@ -220,11 +220,17 @@ def exchange(t: Transport, buf, op: ReduceOp) -> None:
         t.sendrecv(buf, peer, incoming, peer)
         combine(*((buf, incoming) if t.rank == 0 else (incoming, buf)), buf, op, True)
         return
-    own = t.scratch("rhd.exchange", 2 * nbytes, np.uint8)  # (as the C call's: this rank's vector, the other's)
+    own = _exchange_buffer(t, nbytes)
     own[:nbytes].view(buf.dtype)[...] = buf.reshape(-1)
     t.sendrecv(own[:nbytes], peer, own[nbytes:], peer)
     mpi_op, finish = reduction
     load_calls().exchanged((t.fortran, mpi_op.py2f(), finish, 0, own), buf)
+
+
+def _exchange_buffer(t: Transport, nbytes: int):
+    """This rank's vector as sent and the other's as received, ``nbytes`` each: in ``t``'s one buffer for every
+    exchange, the C call's and Python's (they run one at a time), made at its largest at once."""
+    return t.scratch("rhd.exchange", 2 * EXCHANGE_UPTO, np.uint8)[: 2 * nbytes]
 
 
 def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], Any] | None:
@@ -237,10 +243,7 @@ def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], A
     if reduction is None:
         return None
     mpi_op, finish = reduction
-    # this rank's vector as sent, the other's as received: in the transport's one buffer for every plan's call (they
-    # run one at a time), made at its largest at once
-    own = t.scratch("rhd.exchange", 2 * EXCHANGE_UPTO, np.uint8)[: 2 * buf.nbytes]
-    bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * native.C_TESTS, own)
+    bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * native.C_TESTS, _exchange_buffer(t, buf.nbytes))
     return load_calls().ExpressCall(bound, t.in_use, totals, float(buf.nbytes))
 
 
