@@ -131,7 +131,13 @@ OMPI_LIBRARY_RANKS ?=
 OMPI_LIBRARY_TESTS ?= tests/test_collectives.py tests/test_native_wait.py tests/test_timeouts.py tests/test_nonblocking.py \
 	tests/test_rooted.py tests/test_alltoall.py tests/test_p2p.py tests/test_p2p_wildcards.py tests/test_errors.py \
 	tests/test_nan.py tests/test_mismatches.py tests/test_settings.py tests/test_threads.py tests/test_unusable.py \
-	tests/test_work.py tests/test_exchange.py
+	tests/test_work.py tests/test_exchange.py tests/test_native_watch.py
+# At each of OMPI_WATCHED_RANKS, launched with Open MPI's fault tolerance (--with-ft ulfm: native blocks under the
+# watchdog, which revokes a call past its deadline): native's tests and those of every collective, errors and threads.
+OMPI_WATCHED_RANKS ?=
+OMPI_WATCHED_TESTS ?= tests/test_native_watch.py tests/test_native_wait.py tests/test_collectives.py \
+	tests/test_errors.py tests/test_nan.py tests/test_mismatches.py tests/test_threads.py tests/test_nonblocking.py \
+	tests/test_work.py tests/test_unusable.py
 OMPI_PY    := $(OMPI_VENV)/bin/python
 OMPI_STAMP := $(OMPI_VENV)/.mpcomm-installed
 OMPI_ENV   := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
@@ -155,6 +161,10 @@ test-openmpi: $(OMPI_STAMP)
 	for n in $(OMPI_LIBRARY_RANKS); do \
 		echo "== $(OMPI_NAME): mpiexec -n $$n, the MPI library's tests"; \
 		$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec -n $$n $(OMPI_PY) -m pytest -q --with-mpi -m mpi $(OMPI_LIBRARY_TESTS) || exit 1; \
+	done
+	for n in $(OMPI_WATCHED_RANKS); do \
+		echo "== $(OMPI_NAME): mpiexec --with-ft ulfm -n $$n, native under the watchdog"; \
+		$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec --with-ft ulfm -n $$n $(OMPI_PY) -m pytest -q --with-mpi -m mpi $(OMPI_WATCHED_TESTS) || exit 1; \
 	done
 
 # The same on Intel MPI (the `impi_rt` wheel, and `impi-devel` for the mpi.h that native_calls' C part builds
@@ -182,6 +192,7 @@ test-torch-openmpi-run: $(OMPI_STAMP)
 	timeout $(MPI_TIMEOUT) $(OMPI_PY) -c "import sys; from mpcomm.integrations.torch.extension import main; sys.exit(main())"
 	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_PY) -m pytest -q --with-mpi -m torch tests
 	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec -n 2 $(OMPI_PY) -m pytest -q --with-mpi -m "mpi and torch" tests
+	$(OMPI_ENV) timeout $(MPI_TIMEOUT) $(OMPI_VENV)/bin/mpiexec --with-ft ulfm -n 2 $(OMPI_PY) -m pytest -q --with-mpi -m "mpi and torch" tests/torch_backend/test_native_allreduce.py  # (its groups keep their C++ path)
 
 # The suite on another Python and other releases of the dependencies, on mpcomm installed from its wheel as a user's
 # `pip install` gets it (the other targets run the editable install, which reads every file from the checkout).

@@ -139,6 +139,13 @@ class Dispatcher:
         calls (the torch backend's C++ all-reduce, the network probe) is given."""
         return self._sync
 
+    def unwatch(self) -> None:
+        """native polls its non-blocking all-reduce again on this Communicator, not the blocking call under the
+        watchdog (``algorithms.native.watch``); collective, before any all-reduce: code beside the Communicator that
+        polls the same all-reduce (the torch backend's C++ call) must pair with it."""
+        for t in (self._sync, self._async):
+            t.unwatch()
+
     def plan(self, operation: str, array: Any, op: str | None = None, algorithm: str = "auto",
              root: int | None = None) -> Plan:
         """The :class:`~mpcomm.plan.Plan` of ``operation`` on ``array`` (a numpy or CuPy array: its dtype, shape

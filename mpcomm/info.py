@@ -16,8 +16,10 @@ def describe() -> str:
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()]
     calls = "C" if native_calls.load() is not None else "mpi4py"  # (builds it on first use)
     ops = "mpcomm's" if native_calls.reduction_ops() and library().min_max_op else "MPI's, with passes"
+    deadline = "a watchdog (ULFM)" if native_calls.fault_tolerant() else "polled requests"
     return (f"mpcomm on {name} | MPI {'.'.join(map(str, MPI.Get_version()))} | thread level {thread} | "
-            f"native's small all-reduce: {calls} | native's float ops on one node: {ops} | "
+            f"native's small all-reduce: {calls} | native's deadline: {deadline} | "
+            f"native's float ops on one node: {ops} | "
             f"mpi4py {mpi4py_version} | numpy {np.__version__} | python {sys.version.split()[0]}")
 
 

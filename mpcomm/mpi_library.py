@@ -17,6 +17,10 @@ han) at every size. Two other ways keep the deadline, and each library uses thos
   Only on one node: across nodes a link can go down in the middle of the call, which a blocking call would then
   wait out forever (on the simulated cluster, Open MPI's ranks on the other node never returned).
 
+Where the library can revoke a communicator and its fault tolerance is on (Open MPI launched with ``mpiexec --with-ft
+ulfm``), native's all-reduce is the blocking call at every size on one node, a core per rank, without a meeting: a
+watchdog thread revokes the communicator of a call still running at its deadline (``algorithms.native.watch``).
+
 The library is the same on every rank of a job, so every choice made from it is the same on every rank. auto's
 cost model takes its constants for ``native`` from the library's profile too (``cost_model``).
 """

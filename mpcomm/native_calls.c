@@ -4,7 +4,7 @@
  * A small all-reduce costs little more than its Python calls: mpi4py's request, its Tests, the copies in and out of
  * a persistent request's buffer and the NaN pass are each a call. Here they are one. The deadline stays Python's: a
  * request not done after `tests` MPI_Test calls goes back to the transport's wait (deadline, yields, point-to-point
- * progress), as every collective's does.
+ * progress), as every collective's does; except under the watchdog (below), which keeps it for a blocking call.
  *
  * The buffer's format (the buffer protocol's) gives the MPI datatype; floats (and complex parts) that hold a NaN
  * after the reduction get numpy's NaN, so every rank holds the same bits (algorithms/native.py says why); an
@@ -16,7 +16,12 @@
 #include <structmember.h>
 
 #include <mpi.h>
+#if defined(OPEN_MPI) && OPEN_MPI
+#include <mpi-ext.h>
+#endif
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -367,11 +372,254 @@ static PyObject *exchange_view(long comm, Py_buffer *view, long op, long finish,
     return exchange_reduced(communicator, view, mine, op, finish);
 }
 
+/* ---- The watchdog (Open MPI with its fault tolerance, ULFM, enabled: mpiexec --with-ft ulfm). There native's
+ * all-reduce is the library's blocking call, whose wait no Test bounds: a thread of this module revokes the
+ * communicator of a call still running past its deadline (MPIX_Comm_revoke: the call returns MPI_ERR_REVOKED, and
+ * every later call on that communicator on every rank), as torch's watchdog aborts a NCCL communicator. A call
+ * costs the watchdog two stores; it sleeps until the earliest deadline of a running call, or a second. */
+#if defined(OMPI_HAVE_MPI_EXT_FTMPI) && OMPI_HAVE_MPI_EXT_FTMPI && defined(__linux__)
+#define CAN_REVOKE 1
+#else
+#define CAN_REVOKE 0
+#endif
+#define WATCHDOG_IDLE 1.0 /* seconds the watchdog sleeps while no call runs (a call made meanwhile waits at most this
+                           * much past its deadline) */
+
+static double now(void);
+
+typedef struct Watch {
+    PyObject_HEAD
+    MPI_Comm communicator;
+    _Atomic double since;   /* when the blocking call now running started (now()), 0 while none runs */
+    _Atomic double timeout; /* its deadline, in seconds after `since` */
+    _Atomic int revoked;    /* the watchdog revoked the communicator */
+    struct Watch *next;     /* the watched list (watchdog_lock) */
+    int listed;
+} Watch;
+
+#if CAN_REVOKE
+static pthread_mutex_t watchdog_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t watchdog_wake;
+static Watch *watched;
+static int watchdog_running;
+
+static void *watchdog(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&watchdog_lock);
+    for (;;) {
+        double clock = now(), wake = clock + WATCHDOG_IDLE;
+        for (Watch *watch = watched; watch != NULL; watch = watch->next) {
+            double since = atomic_load(&watch->since);
+            if (since <= 0 || atomic_load(&watch->revoked)) continue;
+            double due = since + atomic_load(&watch->timeout);
+            if (clock < due) {
+                wake = due < wake ? due : wake;
+            } else {
+                atomic_store(&watch->revoked, 1);
+                MPIX_Comm_revoke(watch->communicator);
+            }
+        }
+        struct timespec until = {(time_t)wake, (long)((wake - (double)(time_t)wake) * 1e9)};
+        pthread_cond_timedwait(&watchdog_wake, &watchdog_lock, &until);
+    }
+    return NULL;
+}
+
+/* The watchdog thread, started on the first Watch (0 with an exception set where it cannot be). */
+static int start_watchdog(void) {
+    if (watchdog_running) return 1;
+    pthread_condattr_t attributes;
+    pthread_t thread;
+    int error = pthread_condattr_init(&attributes);
+    if (!error) error = pthread_condattr_setclock(&attributes, CLOCK_MONOTONIC);
+    if (!error) error = pthread_cond_init(&watchdog_wake, &attributes);
+    if (!error) error = pthread_create(&thread, NULL, watchdog, NULL);
+    if (!error) error = pthread_detach(thread);
+    if (error) {
+        PyErr_Format(PyExc_OSError, "the watchdog thread could not be started (error %d)", error);
+        return 0;
+    }
+    watchdog_running = 1;
+    return 1;
+}
+#endif
+
+static void watch_unlist(Watch *self) {
+#if CAN_REVOKE
+    if (!self->listed) return;
+    pthread_mutex_lock(&watchdog_lock);
+    for (Watch **link = &watched; *link != NULL; link = &(*link)->next)
+        if (*link == self) {
+            *link = self->next;
+            break;
+        }
+    self->listed = 0;
+    pthread_mutex_unlock(&watchdog_lock);
+#else
+    (void)self;
+#endif
+}
+
+static PyObject *watch_new(PyTypeObject *type, PyObject *args, PyObject *names) {
+    long comm;
+    double timeout;
+    if (names != NULL && PyDict_GET_SIZE(names)) {
+        PyErr_SetString(PyExc_TypeError, "Watch(comm, timeout): positional arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "ld:Watch", &comm, &timeout)) return NULL;
+#if CAN_REVOKE
+    Watch *self = (Watch *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->communicator = MPI_Comm_f2c((MPI_Fint)comm);
+    atomic_store(&self->timeout, timeout);
+    pthread_mutex_lock(&watchdog_lock);
+    int started = start_watchdog();
+    if (started) {
+        self->next = watched, watched = self, self->listed = 1;
+        pthread_cond_signal(&watchdog_wake);
+    }
+    pthread_mutex_unlock(&watchdog_lock);
+    if (!started) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+#else
+    (void)type;
+    PyErr_SetString(PyExc_NotImplementedError, "Watch: this MPI library cannot revoke a communicator (no ULFM)");
+    return NULL;
+#endif
+}
+
+static void watch_dealloc(Watch *self) {
+    watch_unlist(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *watch_close(Watch *self, PyObject *unused) {
+    (void)unused;
+    watch_unlist(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *watch_get_timeout(Watch *self, void *closure) {
+    (void)closure;
+    return PyFloat_FromDouble(atomic_load(&self->timeout));
+}
+
+static int watch_set_timeout(Watch *self, PyObject *value, void *closure) {
+    (void)closure;
+    double seconds = value == NULL ? -1.0 : PyFloat_AsDouble(value);
+    if (seconds == -1.0 && PyErr_Occurred()) return -1;
+    if (!(seconds >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "Watch.timeout: seconds, at least 0");
+        return -1;
+    }
+    atomic_store(&self->timeout, seconds);
+    return 0;
+}
+
+static PyObject *watch_get_revoked(Watch *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(atomic_load(&self->revoked));
+}
+
+static PyMethodDef watch_methods[] = {
+    {"close", (PyCFunction)watch_close, METH_NOARGS, "close(): stop watching (before the communicator is freed)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef watch_getset[] = {
+    {"timeout", (getter)watch_get_timeout, (setter)watch_set_timeout, "a call's deadline, in seconds", NULL},
+    {"revoked", (getter)watch_get_revoked, NULL, "whether the watchdog revoked the communicator", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WatchType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpcomm._native_calls.Watch",
+    .tp_basicsize = sizeof(Watch),
+    .tp_dealloc = (destructor)watch_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Watch(comm, timeout): the watchdog's entry for one communicator, whose blocking all-reduces "
+              "(watched_allreduce) it revokes past the deadline",
+    .tp_methods = watch_methods,
+    .tp_getset = watch_getset,
+    .tp_new = watch_new,
+};
+
+/* The blocking all-reduce of watched_allreduce() and express() on `view` (writable, C-contiguous, with its format),
+ * under `watch`'s deadline, the GIL released. None once done (and `finished`); the seconds it ran where the
+ * communicator was revoked (by this rank's watchdog or another's: the caller raises the timeout); NotImplemented,
+ * with nothing sent, for a format or a finish this does not take. */
+static PyObject *watched_view(Watch *watch, Py_buffer *view, long op, long finish) {
+    int floats, code;
+    Py_ssize_t parts, count;
+    MPI_Datatype type = reducible(view, finish, &floats, &parts, &count);
+    if (type == MPI_DATATYPE_NULL) return Py_NewRef(Py_NotImplemented);
+    double started = now();
+    atomic_store(&watch->since, started);
+    Py_BEGIN_ALLOW_THREADS
+    code = MPI_Allreduce(MPI_IN_PLACE, view->buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op), watch->communicator);
+    Py_END_ALLOW_THREADS
+    atomic_store(&watch->since, 0.0);
+    if (code != MPI_SUCCESS) {
+        int kind = code;
+        MPI_Error_class(code, &kind);
+#if CAN_REVOKE
+        if (kind == MPIX_ERR_REVOKED) return PyFloat_FromDouble(now() - started);
+#endif
+        return failed(code);
+    }
+    finished(view->buf, count * parts, floats, finish);
+    Py_RETURN_NONE;
+}
+
+/* watched_allreduce(watch, buf, op, finish): MPI_Allreduce in place on the writable contiguous `buf` over `watch`'s
+ * communicator, as watched_view. */
+static PyObject *watched_allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    long op, finish;
+    if (nargs != 4 || !Py_IS_TYPE(args[0], &WatchType)) {
+        PyErr_SetString(PyExc_TypeError, "watched_allreduce(watch, buf, op, finish)");
+        return NULL;
+    }
+    if (((op = PyLong_AsLong(args[2])) == -1 || (finish = PyLong_AsLong(args[3])) == -1) && PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    PyObject *result = watched_view((Watch *)args[0], &view, op, finish);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* fault_tolerant(): whether this library can revoke a communicator and its fault tolerance is enabled (Open MPI's
+ * mpi_ft_enable, read through MPI_T): where both hold, Watch and watched_allreduce keep native's deadline. */
+static PyObject *fault_tolerant(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    long long value = 0; /* (room for any integer type of the variable) */
+#if CAN_REVOKE
+    int level, provided, index, count;
+    /* (MPI's own level: Open MPI takes MPI_T's as the level MPI_Query_thread reports) */
+    if (MPI_Query_thread(&level) != MPI_SUCCESS || MPI_T_init_thread(level, &provided) != MPI_SUCCESS) Py_RETURN_FALSE;
+    MPI_T_cvar_handle handle;
+    if (MPI_T_cvar_get_index("mpi_ft_enable", &index) == MPI_SUCCESS
+        && MPI_T_cvar_handle_alloc(index, NULL, &handle, &count) == MPI_SUCCESS) {
+        if (count == 1) MPI_T_cvar_read(handle, &value);
+        MPI_T_cvar_handle_free(&handle);
+    }
+    MPI_T_finalize();
+#endif
+    return PyBool_FromLong(value != 0);
+}
+
 /* What an express call (ExpressCall) does with its `bound` arguments on `buf`: allreduce(comm, buf, op, finish,
  * tests) with bound = (comm, op, finish, tests), or meet_allreduce(comm, buf, op, finish, tests, kind, meeting) with
  * bound = (comm, op, finish, tests, kind, meeting), or start(request, own, buf, finish, tests) with bound =
  * (persistent, finish, tests), `persistent` the list [request, own, handle] of a persistent all-reduce (None once
- * done, not True), or exchange_view(comm, buf, op, finish, tests, own) with bound = (comm, op, finish, tests, own):
+ * done, not True), or exchange_view(comm, buf, op, finish, tests, own) with bound = (comm, op, finish, tests, own),
+ * or watched_view(watch, buf, op, finish) with bound = (comm, op, finish, watch), `watch` the comm's Watch:
  * the arguments one plan's calls share, and NotImplemented, with nothing sent, for a buffer that is not writable and
  * C-contiguous too, or a persistent request not made (an empty list). */
 static PyObject *express_bound(PyObject *bound_arguments, PyObject *buf) {
@@ -379,8 +627,11 @@ static PyObject *express_bound(PyObject *bound_arguments, PyObject *buf) {
     PyObject *persistent = size == 3 ? PyTuple_GET_ITEM(bound_arguments, 0) : NULL;
     if (persistent != NULL && !(PyList_CheckExact(persistent) && PyList_GET_SIZE(persistent) == 3))
         return Py_NewRef(Py_NotImplemented);
+    PyObject *watch = size == 4 && Py_IS_TYPE(PyTuple_GET_ITEM(bound_arguments, 3), &WatchType)
+                          ? PyTuple_GET_ITEM(bound_arguments, 3) : NULL;
     long bound[5];
-    for (int i = 0; i < (size >= 5 ? size - 1 : size); i++)  /* (the integers: all but an exchange's own, a meeting) */
+    for (int i = 0; i < (size >= 5 || watch != NULL ? size - 1 : size); i++)  /* (the integers: all but the last
+                                                                                 * of an exchange, a meeting, a watch) */
         if ((bound[i] = PyLong_AsLong(persistent != NULL && i == 0 ? PyList_GET_ITEM(persistent, 2)
                                                                    : PyTuple_GET_ITEM(bound_arguments, i))) == -1
             && PyErr_Occurred())
@@ -402,7 +653,8 @@ static PyObject *express_bound(PyObject *bound_arguments, PyObject *buf) {
                 result = Py_NewRef(Py_None);
             }
         } else {
-            result = size == 4   ? allreduce_view(bound[0], &view, bound[1], bound[2], bound[3])
+            result = watch != NULL ? watched_view((Watch *)watch, &view, bound[1], bound[2])
+                     : size == 4   ? allreduce_view(bound[0], &view, bound[1], bound[2], bound[3])
                      : size == 5 ? exchange_view(bound[0], &view, bound[1], bound[2], bound[3], &own, bound_arguments)
                                  : meet_allreduce_view(bound[0], &view, bound[1], bound[2], bound[3], bound[4],
                                                        meeting.buf);
@@ -618,7 +870,8 @@ static PyObject *express_new(PyTypeObject *type, PyObject *args, PyObject *names
     Py_ssize_t size = PyTuple_GET_SIZE(bound);
     if (size < 3 || size > 6) {
         PyErr_Format(PyExc_ValueError, "ExpressCall: bound has %zd items: (comm, op, finish, tests[, kind, meeting]) "
-                                       "| (comm, op, finish, tests, own) | (persistent, finish, tests)", size);
+                                       "| (comm, op, finish, tests, own) | (comm, op, finish, watch) "
+                                       "| (persistent, finish, tests)", size);
         return NULL;
     }
     ExpressCall *self = (ExpressCall *)type->tp_alloc(type, 0);
@@ -716,6 +969,10 @@ static PyMethodDef methods[] = {
      "start(request, own, buf, finish, tests) -> True (done, copied back) | False | NotImplemented"},
     {"exchanged", (PyCFunction)(void (*)(void))exchanged, METH_FASTCALL,
      "exchanged(bound, buf): the end of an exchange whose express call returned its requests (waited for)"},
+    {"watched_allreduce", (PyCFunction)(void (*)(void))watched_allreduce, METH_FASTCALL,
+     "watched_allreduce(watch, buf, op, finish) -> None (done) | seconds (revoked) | NotImplemented"},
+    {"fault_tolerant", fault_tolerant, METH_NOARGS,
+     "fault_tolerant() -> whether the library can revoke a communicator, its fault tolerance enabled"},
     {"canonical_nans", canonical_nans_call, METH_O, "canonical_nans(buf): numpy's NaN wherever buf holds one"},
     {"create_ops", create_ops, METH_NOARGS, "create_ops() -> Fortran handles of the (sum, prod, max, min) MPI ops"},
     {"clock", clock_call, METH_NOARGS, "clock() -> the seconds of the clock ExpressCall reads (time.perf_counter's)"},
@@ -727,7 +984,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_calls", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native_calls(void) {
-    if (PyType_Ready(&BusyType) < 0 || PyType_Ready(&ExpressCallType) < 0) return NULL;
+    if (PyType_Ready(&BusyType) < 0 || PyType_Ready(&ExpressCallType) < 0 || PyType_Ready(&WatchType) < 0) return NULL;
 #ifndef __linux__
     PyObject *time = PyImport_ImportModule("time");
     if (time == NULL) return NULL;
@@ -738,7 +995,8 @@ PyMODINIT_FUNC PyInit__native_calls(void) {
     PyObject *created = PyModule_Create(&module);
     if (created == NULL) return NULL;
     if (PyModule_AddObjectRef(created, "Busy", (PyObject *)&BusyType) < 0
-        || PyModule_AddObjectRef(created, "ExpressCall", (PyObject *)&ExpressCallType) < 0) {
+        || PyModule_AddObjectRef(created, "ExpressCall", (PyObject *)&ExpressCallType) < 0
+        || PyModule_AddObjectRef(created, "Watch", (PyObject *)&WatchType) < 0) {
         Py_DECREF(created);
         return NULL;
     }

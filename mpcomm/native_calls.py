@@ -49,13 +49,21 @@ def load():
 def build():
     """Compile (or take the cached build of) the extension and import it; raises with the reason when it cannot."""
     library = loaded_path()
-    flags = [f"-I{include_directory(library)}", *link_flags(library)]
+    flags = [f"-I{include_directory(library)}", "-pthread", *link_flags(library)]
     module = kernels.extension(kernels.build(kernels.read_source(SOURCE), flags=flags, name="native_calls"), MODULE)
     if module is None:
         raise RuntimeError("built without Python's headers")
     check_built_for(module.library_version())
     module.configure(MPI.Exception)
     return module
+
+
+@functools.cache
+def fault_tolerant() -> bool:
+    """Whether native's blocking all-reduce can be watched here (``Watch``): the library can revoke a communicator
+    and its fault tolerance is enabled (Open MPI launched with ``mpiexec --with-ft ulfm``)."""
+    module = load()
+    return module is not None and module.fault_tolerant()
 
 
 def lock():

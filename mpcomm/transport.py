@@ -58,6 +58,7 @@ class Transport:
         self.on_timeout = on_timeout  # what a timeout leaves behind, for its error message
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
+        self.watch = None  # native's watchdog entry where it blocks under it (algorithms.native.watch), else None
         self.timeout = float(timeout)
         self.operation: object = "communication"  # a str, or what str() names it by (formatted on an error)
         self._ranks_per_node = ranks_per_node
@@ -93,6 +94,24 @@ class Transport:
         self.reduction_ops: dict = {}
         self.spans_nodes = False  # its ranks are on several nodes (set on every rank alike by the Communicator)
         self.cores_shared = False  # set on every rank alike (the communicator's topology is agreed)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds every wait here may take (the watchdog's deadline for native's blocking calls too)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._timeout = seconds
+        if self.watch is not None:
+            self.watch.timeout = seconds
+
+    def unwatch(self) -> None:
+        """Stop native's blocking calls under the watchdog here (it polls non-blocking calls again); collective:
+        every rank must call it before the same call."""
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
 
     def share_cores(self) -> None:
         """This rank shares its core with other ranks: yield it sooner while waiting."""
@@ -314,6 +333,7 @@ class Transport:
                 sub.free()
         self.free_persistent_requests()
         self.persistent_requests.clear()
+        self.unwatch()
         if self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
 

@@ -35,6 +35,17 @@ pytestmark = pytest.mark.mpi
 P = WORLD.Get_size()
 
 
+@pytest.fixture(autouse=True)
+def unwatched(monkeypatch, request) -> None:
+    """These tests force each of native's ways of waiting; where the watchdog would keep the deadline (Open MPI with
+    --with-ft ulfm) native's blocking call would take every one's place (tests/test_native_watch.py tests it)."""
+    monkeypatch.setattr(native, "watch", lambda t: None)
+    if "comm" in request.fixturenames:
+        comm = request.getfixturevalue("comm")
+        for t in (comm._sync, comm._async):
+            monkeypatch.setattr(t, "watch", None)
+
+
 @pytest.fixture(params=list(WAYS))
 def way(request, monkeypatch, comm) -> Iterator[str]:
     """native waits in this way at every size (the same on every rank: the parameters run in the same order)."""

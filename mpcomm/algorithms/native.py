@@ -1,4 +1,5 @@
-"""The MPI library's own collectives, issued non-blocking so the wait is bounded by the timeout.
+"""The MPI library's own collectives, issued non-blocking so the wait is bounded by the timeout (the all-reduce,
+where a watchdog can revoke the communicator at the deadline, as the blocking call: :func:`watch`).
 
 Two things the MPI library does not promise are restored here, so that ``native`` meets the same contract as
 mpcomm's own algorithms:
@@ -23,9 +24,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..buffers import AVG, MAX, MIN, PROD, SUM, ReduceOp
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError, CommTimeoutError
 from ..kernels import KEY_DTYPES, finish_floats, from_keys, to_keys
 from ..mpi_library import Library, copies_input, library
+from ..native_calls import fault_tolerant
 from ..native_calls import load as load_calls
 from ..native_calls import reduction_ops
 from ..transport import Transport
@@ -48,6 +50,7 @@ _C_DTYPES = frozenset(np.dtype(name) for name in ("int8", "uint8", "int16", "uin
                                                   "uint64", "float32", "float64", "complex64", "complex128"))
 # native's ways to wait (_way)
 _PERSISTENT, _MEET, _FROM_COPY, _ONE_CALL, _MPI4PY = "persistent", "meet", "from a copy", "one call", "mpi4py"
+_WATCHED = "blocking, watched"
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
@@ -76,11 +79,13 @@ def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], A
     if reduction is None:
         return None
     way = _way(t, nbytes, calls)
-    if way not in (_ONE_CALL, _MEET, _PERSISTENT) or (way == _PERSISTENT and nbytes > _ONE_CALL_UPTO):
+    if way not in (_ONE_CALL, _MEET, _PERSISTENT, _WATCHED) or (way == _PERSISTENT and nbytes > _ONE_CALL_UPTO):
         return None
     mpi_op, finish = reduction
     bound: tuple
-    if way == _PERSISTENT:
+    if way == _WATCHED:
+        bound = (t.fortran, mpi_op.py2f(), finish, t.watch)
+    elif way == _PERSISTENT:
         persistent = t.persistent_requests.setdefault(_persistent_key(buf, op, mpi_op), [])
         if persistent is None:  # (the library has none)
             return None
@@ -110,13 +115,16 @@ def one_call(t: Transport, buf, op: ReduceOp) -> tuple[MPI.Op, int] | None:
 def complete(t: Transport, buf, op: ReduceOp, outcome) -> None:
     """The rest of an all-reduce whose :func:`express` call returned ``outcome``: its request still running, waited
     for within the deadline (a persistent one's result then copied back); or its meeting's, waited for, then
-    compared and the blocking call made (False: the ranks disagree, CollectiveMismatchError). Then finished as the
-    call would have."""
+    compared and the blocking call made (False: the ranks disagree, CollectiveMismatchError); or the seconds a
+    watched blocking call ran before its communicator was revoked (CommTimeoutError). Then finished as the call
+    would have."""
     how = _how(t, buf, op)
     assert how is not None  # (express calls are only made where it is not)
     mpi_op, finish, nan_pass = how
     way = _way(t, buf.nbytes, load_calls())
-    if way == _MEET:
+    if way == _WATCHED:
+        _revoked(t, outcome)
+    elif way == _MEET:
         _after_meeting(t, buf, op, mpi_op, outcome)
     elif way == _PERSISTENT:
         _wait_started(t, buf, t.persistent_requests[_persistent_key(buf, op, mpi_op)])
@@ -233,6 +241,12 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, finish: int = 0, mpi_op
     if type(buf) is np.ndarray and t.size > 1:
         calls = load_calls()
         way = _way(t, buf.nbytes, calls)
+        if way == _WATCHED:
+            outcome = calls.watched_allreduce(t.watch, buf, mpi_op.py2f(), finish)
+            if outcome is None:
+                return finish != 0
+            if outcome is not NotImplemented:
+                _revoked(t, outcome)
         if way == _PERSISTENT:
             key = _persistent_key(buf, op, mpi_op)
             persistent = t.persistent_requests.get(key) or _persistent_allreduce(t, buf, mpi_op, key)
@@ -259,6 +273,8 @@ def _way(t: Transport, nbytes: int, calls, persistent: bool = True) -> str:
     """How native waits for an all-reduce of ``nbytes`` (of a host array, p > 1) on ``t`` within the deadline, by
     the library's profile (``mpcomm.mpi_library``) and whether ``native_calls`` is loaded (``calls``): the same on
     every rank."""
+    if t.watch is not None:
+        return _WATCHED
     profile = library()
     if persistent and nbytes <= profile.persistent_upto and t.starts_persistent:
         return _PERSISTENT
@@ -267,6 +283,31 @@ def _way(t: Transport, nbytes: int, calls, persistent: bool = True) -> str:
     if polled_from_copy(t, profile, nbytes):
         return _FROM_COPY
     return _ONE_CALL if calls is not None and nbytes <= _ONE_CALL_UPTO else _MPI4PY
+
+
+def watch(t: Transport) -> None:
+    """Collective over ``t`` (where the Communicator makes it, its topology set): native's all-reduces here become
+    the library's blocking call, its deadline kept by the watchdog (``native_calls.Watch``), where the library can
+    revoke a communicator and its fault tolerance is enabled (Open MPI launched with ``mpiexec --with-ft ulfm``),
+    MPI runs threads at once, the ranks share one node with a core each (the blocking call spins) and every rank
+    can (they agree: the same way on every rank)."""
+    calls = load_calls()
+    mine = int(fault_tolerant() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+               and not t.spans_nodes and not t.cores_shared and t.size > 1)
+    everyone = np.array([mine], np.int64)
+    if t.size > 1:
+        _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, everyone, MPI.MIN))
+    if everyone[0]:
+        t.watch = calls.Watch(t.fortran, t.timeout)
+
+
+def _revoked(t: Transport, seconds: float) -> None:
+    """CommTimeoutError for a watched blocking call that ran ``seconds`` until its communicator was revoked: by
+    this rank's watchdog at the deadline, or by another rank's at its own."""
+    t.failed = True
+    raise CommTimeoutError(str(t.operation), t.others, seconds, t.timeout, t.rank,
+                           "the communicator was revoked (a rank's watchdog saw a call run past the deadline); "
+                           + CommTimeoutError.UNUSABLE)
 
 
 def own_op(t: Transport, buf, op: ReduceOp):

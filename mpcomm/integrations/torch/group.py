@@ -51,6 +51,7 @@ class BackendMpcomm(AllreducePaths, RootedCalls, backend_base()):  # type: ignor
         # one, which native would start for the same call issued asynchronously (the lane's Python path); set before
         # any call (the Communicator is the group's own, new)
         comm.transport.starts_persistent = False
+        comm.unwatch()  # nor with a blocking one under the watchdog (Open MPI with --with-ft ulfm)
         # nor does auto send its small calls to rhd's exchange, which would take them off that C++ path
         comm.selector.model = replace(comm.selector.model, alpha_exchange=None)
         self._name = name or f"rank{comm.rank}"
