@@ -477,12 +477,63 @@ static PyObject *py_cast16(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return result;
 }
 
+/* reduce16(chunks, out, kind, op, divisor): the C form of the same name over the sequence `chunks` (2-byte items,
+ * as many as the writable `out`'s; `out` may be chunks[0]), into `out`. */
+static PyObject *py_reduce16(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    enum { MOST = 64 };
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "expected 5 arguments, got %zd", nargs);
+        return NULL;
+    }
+    long kind = PyLong_AsLong(args[2]), op = PyLong_AsLong(args[3]);
+    double divisor = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *sequence = PySequence_Fast(args[0], "reduce16: chunks must be a sequence");
+    if (sequence == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(sequence), taken = 0;
+    Py_buffer views[MOST], out;
+    const uint16_t *chunks[MOST];
+    PyObject *result = NULL;
+    if (count < 1 || count > MOST || (kind != FLOAT16 && kind != BFLOAT16)) {
+        PyErr_Format(PyExc_ValueError, "reduce16: %zd chunks (1 to %d) of kind %ld", count, MOST, kind);
+        Py_DECREF(sequence);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(sequence);
+        return NULL;
+    }
+    for (; taken < count; taken++) {
+        Py_buffer *view = &views[taken];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(sequence, taken), view, PyBUF_C_CONTIGUOUS) < 0) break;
+        chunks[taken] = view->buf;
+        if (view->len != out.len || view->itemsize != 2 || out.itemsize != 2) {
+            PyErr_Format(PyExc_ValueError, "reduce16: chunk %zd has %zd bytes of %zd-byte items, out %zd of %zd: "
+                         "expected alike, 2-byte", taken, view->len, view->itemsize, out.len, out.itemsize);
+            taken++;
+            break;
+        }
+    }
+    if (!PyErr_Occurred()) {
+        PyThreadState *state = let_go_for(out.len * count);
+        reduce16((int)kind, (int)op, chunks, (int)count, out.len / 2, (float)divisor, out.buf);
+        take_back(state);
+        result = Py_NewRef(Py_None);
+    }
+    for (Py_ssize_t i = 0; i < taken; i++) PyBuffer_Release(&views[i]);
+    PyBuffer_Release(&out);
+    Py_DECREF(sequence);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"float_keys", (PyCFunction)(void (*)(void))py_float_keys, METH_FASTCALL, "float_keys(floats, op): in place"},
     {"from_keys", (PyCFunction)(void (*)(void))py_from_keys, METH_FASTCALL, "from_keys(keys): in place"},
     {"finish", (PyCFunction)(void (*)(void))py_finish, METH_FASTCALL, "finish(floats, divisor) -> has NaN"},
     {"add_finish", (PyCFunction)(void (*)(void))py_add_finish, METH_FASTCALL, "add_finish(a, b, out, divisor)"},
     {"cast16", (PyCFunction)(void (*)(void))py_cast16, METH_FASTCALL, "cast16(src, dst, kind) -> no NaN met"},
+    {"reduce16", (PyCFunction)(void (*)(void))py_reduce16, METH_FASTCALL, "reduce16(chunks, out, kind, op, divisor)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -43,6 +43,8 @@ _KINDS = {_FLOAT16: 0, BFLOAT16: 1}  # kernels.c: FLOAT16, BFLOAT16
 _OPS = {SUM: 0, PROD: 1, MIN: 2, MAX: 3, AVG: 0}  # kernels.c: SUM, PROD, MIN, MAX (avg: a sum, then divided)
 KEY_DTYPES = {np.dtype(np.float32): np.dtype(np.int32), np.dtype(np.float64): np.dtype(np.int64)}
 _FLOAT32 = np.dtype(np.float32)
+_UINT16 = np.dtype(np.uint16)
+REDUCE16_MOST = 64  # chunks the extension module's reduce16 takes (kernels.c); more go through ctypes
 CAST16_FROM = 1024  # elements from which cast16 converts (below it numpy's cast costs less than the call)
 _CANONICAL_NAN = {np.dtype(np.int32): 0x7FC00000, np.dtype(np.int64): 0x7FF8000000000000}  # numpy's nan's bits
 
@@ -188,7 +190,10 @@ def _cpu_flags() -> str:
 # ---------------------------------------------------------------------------------------------- the kernels
 def address(array) -> int:
     """Where a host array's data starts (through the buffer protocol: a tenth of ``array.ctypes.data``'s cost,
-    which shows on small messages; that for read-only or empty arrays, which it refuses)."""
+    which shows on small messages; that for read-only or empty arrays, which it refuses). bfloat16, for which the
+    buffer protocol has no format, through a view of its bits (a third of ``ctypes.data``'s cost)."""
+    if array.dtype is BFLOAT16:
+        array = array.view(_UINT16)
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(array))
     except (TypeError, ValueError):
@@ -204,6 +209,9 @@ def reduce_chunks(chunks: list, out, op: ReduceOp, kernels: Kernels | _Loaded | 
     if kernels is LOADED:
         kernels = load() if kind is not None and type(out) is np.ndarray else None
     if kind is not None and kernels is not None:
+        if kernels.module is not None and len(chunks) <= REDUCE16_MOST:
+            kernels.module.reduce16(chunks, out, kind, _OPS[op.name], float(op.divisor))
+            return
         pointers = (ctypes.c_void_p * len(chunks))(*map(address, chunks))
         kernels.reduce16(kind, _OPS[op.name], pointers, len(chunks), out.size, float(op.divisor), address(out))
         return
@@ -246,9 +254,7 @@ def cast16(src, dst, kernels: Kernels | _Loaded | None = LOADED) -> bool:
             return kernels.module.cast16(src, dst, kind)
         except (BufferError, ValueError):  # (a buffer it cannot take: refused before any element is written)
             return False
-    bits = short.view(np.uint16)  # (a buffer ctypes takes: address()'s fast way)
-    pointers = (address(src), address(bits)) if narrowing else (address(bits), address(dst))
-    return kernels.cast16(kind, int(narrowing), *pointers, src.size) == 0
+    return kernels.cast16(kind, int(narrowing), address(src), address(dst), src.size) == 0
 
 
 def finish_floats(floats, divisor: int) -> bool | None:

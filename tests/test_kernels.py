@@ -172,6 +172,17 @@ def test_the_key_passes_are_an_extension_where_pythons_headers_are():
         module.float_keys(np.zeros(3, np.float32), "max")
     with pytest.raises((TypeError, ValueError, BufferError)):
         module.from_keys(np.zeros(6, np.int32)[::2])  # not contiguous
+    half = np.zeros(3, np.float16)
+    with pytest.raises(ValueError, match="chunk 1 has 4 bytes"):
+        module.reduce16([half, np.zeros(2, np.float16)], half, 0, 0, 1.0)
+    with pytest.raises(ValueError, match="4-byte items"):
+        module.reduce16([np.zeros(3, np.float32)], np.zeros(3, np.float32), 0, 0, 1.0)
+    with pytest.raises(ValueError, match="65 chunks"):
+        module.reduce16([half] * 65, half, 0, 0, 1.0)
+    with pytest.raises(ValueError, match="kind 7"):
+        module.reduce16([half], half, 7, 0, 1.0)
+    with pytest.raises((TypeError, ValueError, BufferError)):
+        module.reduce16([half], np.zeros(6, np.float16)[::2], 0, 0, 1.0)  # not contiguous
 
 
 def finish_mismatches(finish, dtype, divisor: int) -> int:
@@ -278,7 +289,7 @@ def test_combine_without_finish_leaves_avg_undivided():
     np.testing.assert_array_equal(a, np.arange(5, dtype=np.float32) + 0.5, strict=True)
 
 
-@pytest.mark.parametrize("entry", ["float_keys", "from_keys", "finish", "add_finish"])
+@pytest.mark.parametrize("entry", ["float_keys", "from_keys", "finish", "add_finish", "reduce16"])
 def test_a_long_pass_lets_other_threads_run(entry):
     """The extension lets go of the GIL during a long pass, as ctypes did. With a switch interval far longer than
     the test, a thread waiting for the GIL gets it only when the main thread lets go, and this one gives it back
@@ -287,8 +298,10 @@ def test_a_long_pass_lets_other_threads_run(entry):
     if module is None:
         pytest.skip("Python's headers are not installed here: the passes go through ctypes (which lets go)")
     x, y = np.ones(1 << 22, np.float32), np.ones(1 << 22, np.float32)
+    halves = x.view(np.float16), y.view(np.float16)
     call = {"float_keys": lambda: module.float_keys(x, 3), "from_keys": lambda: module.from_keys(x.view(np.int32)),
-            "finish": lambda: module.finish(x, 3), "add_finish": lambda: module.add_finish(x, y, x, 3)}[entry]
+            "finish": lambda: module.finish(x, 3), "add_finish": lambda: module.add_finish(x, y, x, 3),
+            "reduce16": lambda: module.reduce16(halves, halves[0], 0, 0, 1.0)}[entry]
     counter, go, stop = [0], threading.Event(), threading.Event()
 
     def count():
