@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 from conftest import WORLD, assert_bitwise_equal, assert_reduced
+from mpi4py import MPI
 from test_exchange import DTYPES, inputs, ops_of
 from test_native_wait import reduced
 from test_timeouts import SILENT, TIMEOUT, assert_every_waiting_rank_timed_out, with_silent_rank
@@ -140,3 +141,14 @@ def test_a_rank_late_past_the_deadline_gets_the_sum_or_an_error_never_a_wrong_re
         np.testing.assert_array_equal(value, np.full(8, P * (P + 1) / 2))
     else:
         assert kind == "CommTimeoutError" and "revoked" in value, value
+
+
+def test_a_library_that_cannot_revoke_makes_no_watch():
+    """Built against a library without ULFM's revoke (MPICH's wheel), Watch refuses to be made, naming why (native
+    never asks there: fault_tolerant() is False first)."""
+    calls = native_calls.load()
+    if calls is None or "Open MPI" in MPI.Get_library_version():
+        pytest.skip("an extension built against a library without ULFM (MPICH)")
+    assert not calls.fault_tolerant()
+    with pytest.raises(NotImplementedError, match="cannot revoke"):
+        calls.Watch(WORLD.py2f(), 1.0)
