@@ -630,8 +630,8 @@ static PyObject *express_bound(PyObject *bound_arguments, PyObject *buf) {
     PyObject *watch = size == 4 && Py_IS_TYPE(PyTuple_GET_ITEM(bound_arguments, 3), &WatchType)
                           ? PyTuple_GET_ITEM(bound_arguments, 3) : NULL;
     long bound[5];
-    for (int i = 0; i < (size >= 5 || watch != NULL ? size - 1 : size); i++)  /* (the integers: all but the last
-                                                                                 * of an exchange, a meeting, a watch) */
+    /* (the integers: all but the last of an exchange, a meeting, a watch) */
+    for (int i = 0; i < (size >= 5 || watch != NULL ? size - 1 : size); i++)
         if ((bound[i] = PyLong_AsLong(persistent != NULL && i == 0 ? PyList_GET_ITEM(persistent, 2)
                                                                    : PyTuple_GET_ITEM(bound_arguments, i))) == -1
             && PyErr_Occurred())
