@@ -107,8 +107,7 @@ class Communicator(Dispatcher):
                 t.share_cores()
         self._sync.spans_nodes = self._async.spans_nodes = self.num_nodes > 1
         self._sync.reduction_ops = self._async.reduction_ops = native.agree_on_ops(self._sync)
-        native.watch(self._sync)
-        native.watch(self._async)
+        native.watch(self._sync, self._async)
         self._start_dispatch()
         self._start_trace(settings.trace_buffer, base, settings.timeline)
         self._start_stragglers(settings.straggler)

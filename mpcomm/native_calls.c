@@ -248,6 +248,15 @@ static PyObject *allreduce(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return result;
 }
 
+/* The library's blocking all-reduce in place of `view`'s `count` elements of `type`, the GIL released: its code. */
+static int blocking_allreduce(Py_buffer *view, Py_ssize_t count, MPI_Datatype type, long op, MPI_Comm communicator) {
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = MPI_Allreduce(MPI_IN_PLACE, view->buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op), communicator);
+    Py_END_ALLOW_THREADS
+    return code;
+}
+
 /* The meeting and the blocking all-reduce of meet_allreduce() and express() on `view` (writable, C-contiguous, with
  * its format), `meeting` the 8 int64 the caller keeps. */
 static PyObject *meet_allreduce_view(long comm, Py_buffer *view, long op, long finish, long tests, long kind,
@@ -269,10 +278,7 @@ static PyObject *meet_allreduce_view(long comm, Py_buffer *view, long op, long f
     if (code != MPI_SUCCESS) return failed(code);
     if (!met) return PyLong_FromLong((long)MPI_Request_c2f(request));
     if (extremes[0] != -extremes[2] || extremes[1] != -extremes[3]) return Py_NewRef(Py_False);
-    Py_BEGIN_ALLOW_THREADS
-    code = MPI_Allreduce(MPI_IN_PLACE, view->buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op), communicator);
-    Py_END_ALLOW_THREADS
-    if (code != MPI_SUCCESS) return failed(code);
+    if ((code = blocking_allreduce(view, count, type, op, communicator)) != MPI_SUCCESS) return failed(code);
     finished(view->buf, count * parts, floats, finish);
     Py_RETURN_NONE;
 }
@@ -392,7 +398,7 @@ typedef struct Watch {
     MPI_Comm communicator;
     _Atomic double since;   /* when the blocking call now running started (now()), 0 while none runs */
     _Atomic double timeout; /* its deadline, in seconds after `since` */
-    _Atomic int revoked;    /* the watchdog revoked the communicator */
+    _Atomic int revoked;    /* the watchdog revoked the communicator (once) */
     struct Watch *next;     /* the watched list (watchdog_lock) */
     int listed;
 } Watch;
@@ -520,11 +526,6 @@ static int watch_set_timeout(Watch *self, PyObject *value, void *closure) {
     return 0;
 }
 
-static PyObject *watch_get_revoked(Watch *self, void *closure) {
-    (void)closure;
-    return PyBool_FromLong(atomic_load(&self->revoked));
-}
-
 static PyMethodDef watch_methods[] = {
     {"close", (PyCFunction)watch_close, METH_NOARGS, "close(): stop watching (before the communicator is freed)"},
     {NULL, NULL, 0, NULL},
@@ -532,7 +533,6 @@ static PyMethodDef watch_methods[] = {
 
 static PyGetSetDef watch_getset[] = {
     {"timeout", (getter)watch_get_timeout, (setter)watch_set_timeout, "a call's deadline, in seconds", NULL},
-    {"revoked", (getter)watch_get_revoked, NULL, "whether the watchdog revoked the communicator", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -560,9 +560,7 @@ static PyObject *watched_view(Watch *watch, Py_buffer *view, long op, long finis
     if (type == MPI_DATATYPE_NULL) return Py_NewRef(Py_NotImplemented);
     double started = now();
     atomic_store(&watch->since, started);
-    Py_BEGIN_ALLOW_THREADS
-    code = MPI_Allreduce(MPI_IN_PLACE, view->buf, (int)count, type, MPI_Op_f2c((MPI_Fint)op), watch->communicator);
-    Py_END_ALLOW_THREADS
+    code = blocking_allreduce(view, count, type, op, watch->communicator);
     atomic_store(&watch->since, 0.0);
     if (code != MPI_SUCCESS) {
         int kind = code;

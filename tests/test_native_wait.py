@@ -39,7 +39,7 @@ P = WORLD.Get_size()
 def unwatched(monkeypatch, request) -> None:
     """These tests force each of native's ways of waiting; where the watchdog would keep the deadline (Open MPI with
     --with-ft ulfm) native's blocking call would take every one's place (tests/test_native_watch.py tests it)."""
-    monkeypatch.setattr(native, "watch", lambda t: None)
+    monkeypatch.setattr(native, "watch", lambda *transports: None)
     if "comm" in request.fixturenames:
         comm = request.getfixturevalue("comm")
         for t in (comm._sync, comm._async):

@@ -285,12 +285,13 @@ def _way(t: Transport, nbytes: int, calls, persistent: bool = True) -> str:
     return _ONE_CALL if calls is not None and nbytes <= _ONE_CALL_UPTO else _MPI4PY
 
 
-def watch(t: Transport) -> None:
-    """Collective over ``t`` (where the Communicator makes it, its topology set): native's all-reduces here become
-    the library's blocking call, its deadline kept by the watchdog (``native_calls.Watch``), where the library can
-    revoke a communicator and its fault tolerance is enabled (Open MPI launched with ``mpiexec --with-ft ulfm``),
-    MPI runs threads at once, the ranks share one node with a core each (the blocking call spins) and every rank
-    can (they agree: the same way on every rank)."""
+def watch(t: Transport, *alike: Transport) -> None:
+    """Collective over ``t`` (where the Communicator makes it, its topology set): native's all-reduces on ``t`` and
+    on the transports ``alike`` it (its ranks, nodes and cores) become the library's blocking call, its deadline kept
+    by the watchdog (``native_calls.Watch``), where the library can revoke a communicator and its fault tolerance is
+    enabled (Open MPI launched with ``mpiexec --with-ft ulfm``), MPI runs threads at once, the ranks share one node
+    with a core each (the blocking call spins) and every rank can (they agree once, over ``t``: the same way on
+    every rank)."""
     calls = load_calls()
     mine = int(fault_tolerant() and MPI.Query_thread() == MPI.THREAD_MULTIPLE
                and not t.spans_nodes and not t.cores_shared and t.size > 1)
@@ -298,7 +299,8 @@ def watch(t: Transport) -> None:
     if t.size > 1:
         _wait(t, t.mpi.Iallreduce(MPI.IN_PLACE, everyone, MPI.MIN))
     if everyone[0]:
-        t.watch = calls.Watch(t.fortran, t.timeout)
+        for u in (t, *alike):
+            u.watch = calls.Watch(u.fortran, u.timeout)
 
 
 def _revoked(t: Transport, seconds: float) -> None:
