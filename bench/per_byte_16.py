@@ -2,7 +2,7 @@
 one job.
 
 ``mpiexec -n P python bench/per_byte_16.py [--dtype bfloat16,float16] [--sizes 1048576,...] [--calls 50]
-[--rounds 9] [--json FILE]``
+[--rounds 9] [--native] [--json FILE]``
 
 The issue's targets (a 16-bit sum at most 1.5x float32's time for the same bytes from 1 MiB; integers' at most 1.2x)
 compare cells that ``mpcomm-bench`` times minutes apart, and this VM has slow spells of 2-4x in memory-bound loops
@@ -27,16 +27,19 @@ FLOAT32_ALGORITHMS = ("ring", "rhd", "direct")
 SIXTEEN = "bfloat16,float16"
 
 
-def contenders(comm: Communicator, nbytes: int, dtypes: list[np.dtype]) -> dict:
+def contenders(comm: Communicator, nbytes: int, dtypes: list[np.dtype], native: bool = False) -> dict:
     """Every contender on the same zeroed bytes, viewed as its dtype (zero in every one of them): none finds its
     buffer warmer in cache than another's (with a buffer each, the float32 ones, run back to back on theirs, read
-    from cache at 8 MiB what the others read from memory)."""
-    memory = np.zeros(nbytes, np.uint8)
-    wide = memory.view(np.float32)
+    from cache at 8 MiB what the others read from memory). ``native``: each dtype's native too, and float32's native
+    on twice the bytes, the wire a 16-bit native all-reduce widens to (what widening adds to a call)."""
+    memory = np.zeros(2 * nbytes if native else nbytes, np.uint8)
+    wide = memory[:nbytes].view(np.float32)
     calls = {f"float32 {a}": (lambda a=a: comm.allreduce(wide, algorithm=a)) for a in FLOAT32_ALGORITHMS}
+    if native:
+        calls["float32 native, 2x bytes"] = lambda: comm.allreduce(memory.view(np.float32), algorithm="native")
     for dtype in dtypes:
-        short, name = memory.view(dtype), str(dtype)
-        for algorithm in ("direct", "auto"):
+        short, name = memory[:nbytes].view(dtype), str(dtype)
+        for algorithm in ("direct", "auto", *(("native",) if native else ())):
             calls[f"{name} {algorithm}"] = lambda short=short, algorithm=algorithm: comm.allreduce(
                 short, algorithm=algorithm)
     return calls
@@ -54,13 +57,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", type=dtype_list, default=SIXTEEN,
                         help=f"comma-separated, against float32 (default {SIXTEEN})")
+    parser.add_argument("--native", action="store_true",
+                        help="time each dtype's native too, and float32's native on the wire it widens to")
     sweep_arguments(parser, SIZES, calls=50, rounds=9)
     args = parser.parse_args(argv)
     comm = Communicator(MPI.COMM_WORLD)
     rows = []
     for nbytes in (int(s) for s in args.sizes.split(",")):
         loop = max(3, min(args.calls, (256 << 20) // nbytes))
-        times = measure(comm.mpi, contenders(comm, nbytes, args.dtype), loop, args.rounds)
+        times = measure(comm.mpi, contenders(comm, nbytes, args.dtype, args.native), loop, args.rounds)
         fastest = min(FLOAT32_ALGORITHMS, key=lambda a: float(np.median(times[f"float32 {a}"])))
         for row in summarize(times, f"float32 {fastest}"):
             rows.append({"bytes": nbytes, "calls": loop, **row})

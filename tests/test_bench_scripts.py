@@ -115,6 +115,14 @@ def test_per_byte_16_tiny(tmp_path):
     assert "x f32" in out, out
 
 
+def test_per_byte_16_native_adds_each_dtypes_native_and_float32s_on_the_widened_wire(tmp_path):
+    """``--native``: each dtype's native, and float32's native on twice the bytes (what a 16-bit one widens to)."""
+    path = tmp_path / "native.json"
+    _run("bench/per_byte_16.py", "--native", "--sizes", "512", "--rounds", "1", "--calls", "2", "--json", str(path))
+    contenders = {r["contender"] for r in json.loads(path.read_text())["rows"]}
+    assert contenders >= {"bfloat16 native", "float16 native", "float32 native, 2x bytes"} and len(contenders) == 10
+
+
 def test_per_byte_16_takes_any_dtypes_and_refuses_an_unknown_one_in_a_line():
     """``--dtype``: integers beside float32 (one row each per algorithm); a name it does not know is argparse's one
     line and exit 2, before any rank starts."""

@@ -43,7 +43,7 @@ _FLOAT32 = np.dtype(np.float32)
 # CostModel's terms for what a core does (a step's wait for its peer to run, a byte copied, reduced or converted),
 # which ranks sharing cores pay r times over (CostModel.for_layout)
 _SHARED_CORE_TERMS = ("alpha_py", "alpha_native", "alpha_exchange", "alpha_segment", "alpha_pass", "alpha_kernel",
-                      "beta", "gamma", "widen_byte", "pass_byte", "kernel16_byte", "fresh_page_byte")
+                      "alpha_widen", "beta", "gamma", "widen_byte", "pass_byte", "kernel16_byte", "fresh_page_byte")
 
 
 @dataclass(frozen=True)
@@ -174,10 +174,10 @@ class CostModel:
     fresh_page_byte: float = 0.19e-9
     # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
     # buffer: float16 and bfloat16 widened to float32 and narrowed back (the extension's cast16, a work array's round
-    # trip: 0.12 ns a byte at 64 KiB-4 MiB in blocks of calls, bench/results/dtype_op.md, "Stop 33"; priced at 0.2,
-    # as calls timed one at a time put direct ahead of native at 32 KiB on Open MPI and at 64 KiB on MPICH, p = 2,
-    # "Stop 53"); one read-modify-write pass (avg's division); direct's compiled float32 reduction of 16-bit parts,
-    # per byte read. (native's NaN check after a float sum is in native_byte_scale.)
+    # trip: 0.12 ns a byte at 64 KiB-4 MiB in blocks of calls, bench/results/dtype_op.md, "Stop 33"; MPICH's widened
+    # native all-reduce took 0.15 a byte more than float32's of the same wire at 8 B-64 KiB, "Stop 61"); one
+    # read-modify-write pass (avg's division); direct's compiled float32 reduction of 16-bit parts, per byte read.
+    # (native's NaN check after a float sum is in native_byte_scale.)
     widen_byte: float = 0.2e-9
     pass_byte: float = 40e-12
     kernel16_byte: float = 65e-12
@@ -192,6 +192,10 @@ class CostModel:
     # reduce-scatter"). Across nodes a reduce-scatter is half an all-reduce (``half_allreduce``).
     native_collective_scale: tuple = (("reduce_scatter", 3.0),)
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
+    # A widened all-reduce's fixed cost: its two conversions, and the general path's dispatch where float32's of the
+    # same wire is native's one express call (float16/bfloat16 by native at p = 2, 8-512 B: 6.4-8.6 us over
+    # float32's on either library; dtype_op.md, "Stop 61").
+    alpha_widen: float = 7e-6
     # One call of the extension module's float passes (``mpcomm.kernels``: avg's finish), however small, its Python
     # wrapper included (bench/results/observations.md, "The extension's passes").
     alpha_kernel: float = 0.3e-6
@@ -365,7 +369,7 @@ class CostModel:
             if algorithm in KEEP_LOW_PRECISION:
                 total += self.alpha_pass + n * self.kernel16_byte
             else:
-                total += 2 * self.alpha_pass + n * self.widen_byte
+                total += self.alpha_widen + n * self.widen_byte
         keys = layout.num_nodes > 1 or not self.native_min_max_op
         if algorithm == "native" and op in (MIN, MAX) and keys and (dtype.kind == "f" or dtype in LOW_PRECISION):
             total += 2 * (self.alpha_kernel + wire * self.pass_byte)  # to keys and back
