@@ -397,8 +397,9 @@ class Communicator(Dispatcher):
             plan = self.plan("allreduce", array, op, algorithm)
         else:
             plan = self.compressed_plan(array, op, algorithm, wire)
-        with WorkArray(array, plan.wire) as work:
-            self.run(plan, work, plan.rop, transport=t)
+        with WorkArray(array, plan.wire) as work:  # (a widened buffer's: the plan's one C call on it, where it has one)
+            if plan.direct or plan.express is None or t is not self._sync or not self.run_express(plan, work):
+                self.run(plan, work, plan.rop, transport=t)
 
     def _reduce_scatter(self, t: Transport, sendbuf, recvbuf, op, algorithm, wire=None):
         send, recv = as_input(sendbuf, "reduce_scatter"), as_output(recvbuf, "reduce_scatter")

@@ -177,9 +177,10 @@ class Dispatcher:
         plan = Plan(operation, chosen, array, rop, root, nbytes, host=host,
                     wire=wire_dtype(array.dtype, widen=not (host and chosen in KEEP_LOW_PRECISION))
                     if rop is not None else array.dtype)
-        if operation == "allreduce" and plan.direct and chosen in EXPRESS:
+        if operation == "allreduce" and host and chosen in EXPRESS:  # (one C call on the buffer, or its work array)
+            work = array if plan.direct else np.broadcast_to(np.empty((), plan.wire), array.shape)
             plan.totals = self._sync.records.setdefault(plan.key, new_totals())  # (its express call counts into it)
-            plan.express = EXPRESS[chosen][0](self._sync, array, rop, plan.totals)
+            plan.express = EXPRESS[chosen][0](self._sync, work, rop, plan.totals, nbytes)
         if cacheable:
             if len(self._plans) >= PLAN_CACHE_SIZE:  # shapes that vary (MoE, dynamic batches): the oldest goes
                 del self._plans[next(iter(self._plans))]
@@ -253,12 +254,13 @@ class Dispatcher:
             _record(t, plan, elapsed)
 
     def run_express(self, plan: Plan, buf) -> bool:
-        """:meth:`run` of ``plan`` on ``buf`` (a host array of the plan's dtype and shape) in one C call, the plan's
-        :attr:`~mpcomm.plan.Plan.express`, where run() has nothing else to do: no validation, nothing queued to
-        run first. The call takes the transport's lock, reads the clock and counts itself into the stats (in C: as
-        Python calls those would cost as much as the call). False, with nothing sent, where it does not take ``buf``
-        (not writable and C-contiguous) or the lock is held: the caller runs the plan (which refuses a second
-        thread). Refusals, the flight recorder, errors midway and stats as run()'s."""
+        """:meth:`run` of ``plan`` on ``buf`` (a host array of the plan's wire dtype and size: the user's buffer or
+        its work array) in one C call, the plan's :attr:`~mpcomm.plan.Plan.express`, where run() has nothing else
+        to do: no validation, nothing queued to run first. The call takes the transport's lock, reads the clock and
+        counts itself into the stats (in C: as Python calls those would cost as much as the call). False, with
+        nothing sent, where it does not take ``buf`` (not writable and C-contiguous) or the lock is held: the caller
+        runs the plan (which refuses a second thread). Refusals, the flight recorder, errors midway and stats as
+        run()'s."""
         t, inline, express = self._sync, self._inline, plan.express
         if self._meet or (inline is not None and inline.queue) or self._unusable is not None:
             return False

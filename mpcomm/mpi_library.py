@@ -97,15 +97,13 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # Its float sum needing no pass after it, native's avg divides in a pass of its own; timed call by call that
     # pass took 60-120 ps a byte at 64 KiB-1 MiB (25-45 in blocks of calls), and at 256 KiB the ring, which divides
     # in its last addition, took 0.53-0.88x native's time in six runs: priced at 60 (dtype_op.md, "Stop 53").
-    # Its widened (16-bit) native all-reduce took 0.5 ns a byte more than float32's of the same wire at 4-64 KiB
-    # (MPICH's 0.15, with the same conversions: not explained); priced so, auto sends 16-bit all-reduces of 16-32 KiB
-    # to direct, and missed the best by over 1.1 in 1 of 120 cells in three runs where it had in 4 (dtype_op.md,
-    # "Stop 61").
+    # Its widened (16-bit) native all-reduce took 0.4 ns a byte more than float32's of the same wire to 32 KiB
+    # (MPICH's 0.2-0.25, with the same conversions: not explained; dtype_op.md, "Stop 61").
     "openmpi": Library("openmpi", persistent_upto=2 << 10, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None), polled_from_copy=(2, 4, 64 << 10),
                        cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"), ("pass_byte", 60e-12),
                                    ("alpha_py_in_node", 10e-6), ("native_int_scale", ()), ("single_copy", True),
-                                   ("exchange_upto", 16 << 10), ("widen_byte", 0.5e-9),
+                                   ("exchange_upto", 16 << 10), ("widen_byte", 0.4e-9),
                                    ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).

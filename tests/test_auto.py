@@ -30,6 +30,7 @@ from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY, pipelined
 from mpcomm.algorithms.auto import (FRESH_PAGES_FROM, STEADY, STEADY_MARGIN, STEPWISE, TABLE_FORMAT, CostModel,
                                    Layout, Selector, crossovers)
+from mpcomm.buffers import BFLOAT16
 
 P = WORLD.Get_size()
 
@@ -413,7 +414,6 @@ def test_model_prices_each_op_and_dtype(layout):
     rate); direct's all-reduce never displaces another algorithm for any other dtype where it is priced as the
     ring (p = 2, or across nodes; float32 sum unchanged); its reduce-scatter, one exchange, does from 3 ranks on one
     node (at p = 4 it was the fastest from 128 KiB: bench/results/dtype_op.md, "Stop 33")."""
-    from mpcomm.buffers import BFLOAT16
     from mpcomm.mpi_library import PROFILES
 
     everything = {op: tuple(algs) for op, algs in REGISTRY.items()}
@@ -466,19 +466,22 @@ def test_direct_all_reduces_in_p_steps_on_one_node(p):
 def test_two_ranks_take_rhds_exchange_in_c_where_native_would_reduce_in_its_one_call(library_name, upto):
     """On two ranks rhd's small all-reduce is one exchange in one C call (rhd.express), which timed call by call
     took 0.7-0.9x native's time up to the library's ``exchange_upto`` (openmpi.md, "Stop 59"): auto picks it there,
-    on one node or two, for every (dtype, op) that native's one C call takes (not float16/bfloat16, which are
-    widened, nor a complex avg, nor float max across nodes, where native reduces keys), and not above it, nor on three ranks, nor where the model has no such call (the
-    torch backend's groups: ``alpha_exchange`` None)."""
+    on one node or two, for every (dtype, op) that native's one C call takes on the wire (float16/bfloat16 on their
+    float32 work array: up to half those bytes; not a complex avg, nor float max across nodes, where native reduces
+    keys), and not above it, nor on three ranks, nor where the model has no such call (the torch backend's groups:
+    ``alpha_exchange`` None)."""
     f16, f32, c64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.complex64)
     for layout in (Layout(2, (2,)), Layout.blocks(2, 1)):
         selector = library_selector(library_name, layout)
         without = Selector(layout, selector.candidates, replace(selector.model, alpha_exchange=None))
         maxima = [(f32, "max")] if layout.num_nodes == 1 else []  # (across nodes native keeps MPI's, and keys)
-        for dtype, op in [(f32, "sum"), *maxima, (f32, "avg"), (np.dtype(np.int8), "prod"), (c64, "sum")]:
-            assert [selector.predict("allreduce", n, dtype=dtype, op=op) for n in (8, upto)] == ["rhd", "rhd"]
-            assert selector.predict("allreduce", 2 * upto, dtype=dtype, op=op) != "rhd", (dtype, op)
+        for dtype, op in [(f32, "sum"), *maxima, (f32, "avg"), (np.dtype(np.int8), "prod"), (c64, "sum"),
+                          (f16, "sum"), (BFLOAT16, "avg")]:
+            most = upto // (2 if dtype.itemsize == 2 else 1)  # (the bytes of the float32 work array it widens to)
+            assert [selector.predict("allreduce", n, dtype=dtype, op=op) for n in (8, most)] == ["rhd", "rhd"]
+            assert selector.predict("allreduce", 2 * most, dtype=dtype, op=op) != "rhd", (dtype, op)
             assert without.predict("allreduce", 8, dtype=dtype, op=op) == "native", (dtype, op)
-        for dtype, op in [(f16, "sum"), (c64, "avg"), *([(f32, "max")] if layout.num_nodes > 1 else [])]:
+        for dtype, op in [(c64, "avg"), *([(f32, "max"), (f16, "max")] if layout.num_nodes > 1 else [])]:
             assert selector.predict("allreduce", 8, dtype=dtype, op=op) != "rhd", (dtype, op)
     assert library_selector(library_name, Layout(3, (3,))).predict("allreduce", 8, dtype=f32, op="sum") == "native"
     crowded = Layout(4, (4,), ranks_per_core=2.0)  # (a model without the call, on ranks sharing cores: its terms x r)
@@ -608,13 +611,11 @@ def library_selector(library_name: str, layout: Layout) -> Selector:
     return Selector(layout=layout, candidates=candidates, model=CostModel.of_library(PROFILES[library_name]))
 
 
-@pytest.mark.parametrize("library_name, leaves_native_at", [("mpich", 64 << 10), ("openmpi", 16 << 10)])
+@pytest.mark.parametrize("library_name, leaves_native_at", [("mpich", 64 << 10), ("openmpi", 32 << 10)])
 def test_16_bit_all_reduces_leave_native_for_direct_where_widening_them_costs_more(library_name, leaves_native_at):
-    """float16/bfloat16 at p = 2 on one node: native widens them to float32 and back (a work array's round trip and
-    the general path's dispatch, as calls timed one at a time cost them), direct keeps the 16 bits; direct from
-    16 KiB on Open MPI and 64 KiB on MPICH, native below (bench/results/dtype_op.md, "Stop 53" and "Stop 61")."""
-    from mpcomm.buffers import BFLOAT16
-
+    """float16/bfloat16 at p = 2 on one node: native widens them to float32 and back (a work array's round trip,
+    as calls timed one at a time cost it), direct keeps the 16 bits; direct from 32 KiB on Open MPI and 64 KiB on
+    MPICH, native below (bench/results/dtype_op.md, "Stop 53" and "Stop 61")."""
     selector = library_selector(library_name, Layout(2, (2,)))
     for dtype in (np.dtype(np.float16), BFLOAT16):
         for op in ("sum", "prod", "min", "max"):
@@ -683,8 +684,6 @@ def test_avg_is_priced_where_its_division_runs(layout):
     """avg's division costs what the code does: nothing beside the ring's, pipelined ring's, rhd's and direct's
     last addition (one pass of the extension, or direct's 16-bit reduction); native's is one extension call and a
     write-back; the tree makes a numpy pass of its own, a numpy call whatever the size."""
-    from mpcomm.buffers import BFLOAT16
-
     model = CostModel()
     for dtype in (np.dtype(np.float32), np.dtype(np.float64), BFLOAT16, np.dtype(np.float16)):
         for n in (8, 1 << 16, 1 << 24):

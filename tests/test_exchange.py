@@ -20,6 +20,7 @@ from test_timeouts import SILENT, TIMEOUT, assert_every_waiting_rank_timed_out, 
 
 from mpcomm import Communicator, native_calls
 from mpcomm.algorithms import EXPRESS, native, rhd
+from mpcomm.buffers import BFLOAT16
 from mpcomm.errors import MpcommError
 
 pytestmark = pytest.mark.mpi
@@ -66,6 +67,30 @@ def runs_counted(monkeypatch, comm: Communicator) -> list:
     run = comm.run
     monkeypatch.setattr(comm, "run", lambda *args, **kwargs: runs.append(args[0]) or run(*args, **kwargs))
     return runs
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=str)
+def test_a_16_bit_exchange_is_one_c_call_on_its_float32_work_array(pair, monkeypatch, dtype):
+    """float16/bfloat16 by rhd: widened to a float32 work array, exchanged and reduced there in the plan's one C call
+    from the first call on (run() not called), narrowed back: numpy's float32 reduction rounded once (NaNs,
+    infinities and signed zeros too, a NaN numpy's own), the same bits on both ranks, up to the last count whose
+    work array the exchange takes."""
+    comm = pair
+    runs = runs_counted(monkeypatch, comm)
+    cases = [(op, n) for op in ("sum", "prod", "max", "min", "avg") for n in (1, 7, rhd.EXCHANGE_UPTO // 4)]
+    results = []
+    for op, n in cases:
+        x = inputs(dtype, op, n, comm.rank)
+        results.append((x, comm.allreduce(x.copy(), op, "rhd")))
+    everyone = PAIR.allgather((results, len(runs)))
+    nan = np.array(np.nan, dtype).tobytes()
+    for (op, n), *pairs in zip(cases, *[r for r, _ in everyone]):
+        label = f"allreduce[rhd] {op} {np.dtype(dtype)} x{n}"
+        assert_bitwise_equal([result for _, result in pairs], label)
+        np.testing.assert_array_equal(pairs[0][1], reduced([x for x, _ in pairs], op), err_msg=label)
+        assert {v.tobytes() for v in pairs[0][1][np.isnan(pairs[0][1])]} <= {nan}, f"{label}: a NaN not numpy's"
+    assert everyone[comm.rank][1] == 0, f"{everyone[comm.rank][1]} calls went through run()"
 
 
 @pytest.mark.mpi(min_size=2)

@@ -16,7 +16,8 @@ from typing import Iterator
 
 import numpy as np
 import pytest
-from conftest import WORLD, assert_bitwise_equal, gather, in_step, make_input, run_gathered
+from conftest import (LOW_PRECISION, WORLD, assert_bitwise_equal, assert_reduced, gather, in_step, make_input,
+                      run_gathered)
 from mpi4py import MPI
 from test_collectives import LARGE, LARGE_CASES, PAIRS, check_allreduce, pair_id, small_sizes
 from test_nan import numpy_reduce, special_values
@@ -285,6 +286,43 @@ def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_
     assert express.ended - express.started < wall, "the express call's clock is not time.perf_counter's seconds"
     assert [(e["collective_seq_id"], e["profiling_name"], e["state"]) for e in entries] == \
         [(n, "mpcomm:all_reduce", "completed") for n in range(1, 5)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("way", EXPRESS_WAYS)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+def test_a_16_bit_all_reduce_is_one_c_call_on_its_float32_work_array(monkeypatch, way, dtype):
+    """float16/bfloat16 by native: widened to a float32 work array, all-reduced there in the plan's express call
+    (run() not called, from the first call on; persistent: from the second, the first makes the request), narrowed
+    back: the float32 reduction rounded once, the same bits on every rank, for every op; counted in stats() as the
+    caller's bytes, recorded with the caller's dtype."""
+    express_way(monkeypatch, way)
+    comm = Communicator(WORLD)
+    runs = []
+    run = comm.run
+    monkeypatch.setattr(comm, "run", lambda *args, **kwargs: runs.append(args[0]) or run(*args, **kwargs))
+    directory, ops = shared_dir(), ("sum", "prod", "min", "max", "avg")
+    try:
+        def calls():
+            pairs = []
+            for op in ops:
+                x = make_input(dtype, op, (3, 7), comm.rank, seed=3)
+                pairs += [(x, comm.allreduce(x.copy(), op, "native")) for _ in range(2)]
+            return pairs, len(runs), comm.stats()["allreduce"]["native"], comm.dump_trace(directory)
+
+        everyone = run_gathered(calls)
+        entries = own_entries(everyone[comm.rank][3], comm._trace.name)
+    finally:
+        comm.free()
+    for i, op in enumerate(op for op in ops for _ in range(2)):
+        results = [pairs[i][1] for pairs, *_ in everyone]
+        assert_bitwise_equal(results, f"native {op} {dtype} (call {i % 2 + 1})")
+        assert_reduced(results[0], [pairs[i][0] for pairs, *_ in everyone], op, what=f"native (call {i % 2 + 1})")
+    _, ran, stats, _ = everyone[comm.rank]
+    assert ran == (len(ops) if way == "persistent" else 0), f"{ran} calls went through run()"
+    assert (stats["calls"], stats["bytes"]) == (2 * len(ops), 2 * len(ops) * 21 * dtype.itemsize), stats
+    assert [(e["profiling_name"], e["input_dtypes"], e["state"]) for e in entries] == \
+        [("mpcomm:all_reduce", [str(dtype)], "completed")] * 2 * len(ops)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import topology
-from ..buffers import AVG, LOW_PRECISION, MAX, MIN, SUM
+from ..buffers import AVG, LOW_PRECISION, MAX, MIN, SUM, wire_dtype
 from ..compression import codec
 from ..kernels import KEY_DTYPES
 from ..mpi_library import Library, copies_input, library
@@ -175,7 +175,7 @@ class CostModel:
     # Local passes over the data besides the wire and the reduction (``passes``), seconds per byte of the user's
     # buffer: float16 and bfloat16 widened to float32 and narrowed back (the extension's cast16, a work array's round
     # trip: 0.12 ns a byte at 64 KiB-4 MiB in blocks of calls, bench/results/dtype_op.md, "Stop 33"; MPICH's widened
-    # native all-reduce took 0.15 a byte more than float32's of the same wire at 8 B-64 KiB, "Stop 61"); one
+    # native all-reduce took 0.2-0.25 a byte more than float32's of the same wire to 32 KiB, "Stop 61"); one
     # read-modify-write pass (avg's division); direct's compiled float32 reduction of 16-bit parts, per byte read.
     # (native's NaN check after a float sum is in native_byte_scale.)
     widen_byte: float = 0.2e-9
@@ -192,10 +192,10 @@ class CostModel:
     # reduce-scatter"). Across nodes a reduce-scatter is half an all-reduce (``half_allreduce``).
     native_collective_scale: tuple = (("reduce_scatter", 3.0),)
     alpha_pass: float = 1.5e-6  # one such pass's call (a numpy ufunc or a ctypes kernel), however small
-    # A widened all-reduce's fixed cost: its two conversions, and the general path's dispatch where float32's of the
-    # same wire is native's one express call (float16/bfloat16 by native at p = 2, 8-512 B: 6.4-8.6 us over
-    # float32's on either library; dtype_op.md, "Stop 61").
-    alpha_widen: float = 7e-6
+    # A widened all-reduce's fixed cost, its work array's round trip (float16/bfloat16 by native at p = 2, 8 B:
+    # 3.2-5.0 us over float32's of the same wire on either library, both its plan's one C call; dtype_op.md,
+    # "Stop 61").
+    alpha_widen: float = 4e-6
     # One call of the extension module's float passes (``mpcomm.kernels``: avg's finish), however small, its Python
     # wrapper included (bench/results/observations.md, "The extension's passes").
     alpha_kernel: float = 0.3e-6
@@ -418,17 +418,19 @@ class CostModel:
         return seconds + self.passes(operation, algorithm, nbytes, layout, dtype, op)
 
     def _exchange(self, nbytes: int, layout: Layout, dtype: np.dtype, op: str | None) -> float | None:
-        """Seconds of rhd's all-reduce of two ranks up to ``EXCHANGE_UPTO``, one exchange: in one C call where
-        native's one C call would take (``dtype``, ``op``) (float min/max: where it reduces them with mpcomm's own
-        ops, on one node), up to ``exchange_upto`` (above it None: priced as rhd's steps, as it measured); else
-        Python's one step, with its passes. None where rhd is not that exchange."""
-        if layout.size != 2 or not 0 < nbytes <= EXCHANGE_UPTO or op is None:
-            return None
-        if one_call_takes(dtype, op, layout.num_nodes == 1 and self.native_min_max_op):
-            alpha = self.alpha_exchange
-            return None if alpha is None or nbytes > self.exchange_upto else self.exchange(nbytes, layout, alpha)
+        """Seconds of rhd's all-reduce of two ranks of up to ``EXCHANGE_UPTO`` bytes on the wire, one exchange: in
+        one C call where native's one C call would take (the wire's dtype, ``op``) (float min/max: where it reduces
+        them with mpcomm's own ops, on one node), up to ``exchange_upto`` (above it None: priced as rhd's steps, as
+        it measured); else Python's one step. Either with its passes (a 16-bit buffer's widening). None where rhd is
+        not that exchange."""
         wire = self.wire_bytes("rhd", nbytes, dtype, op)
-        return self.exchange(wire, layout, self.alpha_py) + self.passes("allreduce", "rhd", nbytes, layout, dtype, op)
+        if layout.size != 2 or not 0 < wire <= EXCHANGE_UPTO or op is None:
+            return None
+        passes = self.passes("allreduce", "rhd", nbytes, layout, dtype, op)
+        if one_call_takes(wire_dtype(dtype), op, layout.num_nodes == 1 and self.native_min_max_op):
+            alpha = self.alpha_exchange
+            return None if alpha is None or wire > self.exchange_upto else self.exchange(wire, layout, alpha) + passes
+        return self.exchange(wire, layout, self.alpha_py) + passes
 
     def compressed_allreduce(self, wire: str, nbytes: float, layout: Layout) -> float:
         """Predicted seconds of ``allreduce(wire=wire)`` of ``nbytes`` float32 bytes (``algorithms/compressed.py``):

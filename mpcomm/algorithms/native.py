@@ -65,21 +65,21 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
         _finish(buf, op, nan_pass)
 
 
-def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], Any] | None:
+def express(t: Transport, buf, op: ReduceOp, totals: array, nbytes: int) -> Callable[[Any], Any] | None:
     """native's whole all-reduce of host arrays of ``buf``'s count, dtype and op on ``t`` as one C call
     (``native_calls.ExpressCall``), where that call does all :func:`allreduce` does: native waits in the one C call,
     starts its persistent request in it, or meets and blocks in it (:func:`_way`), which also finishes what is left
-    (avg's division, the NaN pass). It holds ``t.in_use`` meanwhile and counts a finished call into ``totals`` (the
-    plan's stats entry). Called on an array, it returns None once done, NotImplemented (nothing sent) for an array it
-    does not take (not writable and C-contiguous), while ``t.in_use`` is held, or where the persistent request is not
-    made yet, else what is left for :func:`complete` (``t.in_use`` still held): the request still running, or the
-    meeting's (or False: the ranks disagree). None where there is no such call (nor for p = 1 or an empty array,
-    which send nothing)."""
-    calls, nbytes, reduction = load_calls(), buf.nbytes, one_call(t, buf, op)
+    (avg's division, the NaN pass). It holds ``t.in_use`` meanwhile and counts a finished call, as ``nbytes``, into
+    ``totals`` (the plan's stats entry). Called on an array, it returns None once done, NotImplemented (nothing
+    sent) for an array it does not take (not writable and C-contiguous), while ``t.in_use`` is held, or where the
+    persistent request is not made yet, else what is left for :func:`complete` (``t.in_use`` still held): the
+    request still running, or the meeting's (or False: the ranks disagree). None where there is no such call (nor
+    for p = 1 or an empty array, which send nothing)."""
+    calls, reduction = load_calls(), one_call(t, buf, op)
     if reduction is None:
         return None
-    way = _way(t, nbytes, calls)
-    if way not in (_ONE_CALL, _MEET, _PERSISTENT, _WATCHED) or (way == _PERSISTENT and nbytes > _ONE_CALL_UPTO):
+    way = _way(t, buf.nbytes, calls)
+    if way not in (_ONE_CALL, _MEET, _PERSISTENT, _WATCHED) or (way == _PERSISTENT and buf.nbytes > _ONE_CALL_UPTO):
         return None
     mpi_op, finish = reduction
     bound: tuple

@@ -233,10 +233,11 @@ def _exchange_buffer(t: Transport, nbytes: int):
     return t.scratch("rhd.exchange", 2 * EXCHANGE_UPTO, np.uint8)[: 2 * nbytes]
 
 
-def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], Any] | None:
+def express(t: Transport, buf, op: ReduceOp, totals: array, nbytes: int) -> Callable[[Any], Any] | None:
     """:func:`exchange` of host arrays of ``buf``'s count, dtype and op on ``t`` as one C call
     (``native_calls.ExpressCall``), reducing with the MPI op and finish of native's one call
-    (:func:`native.one_call`); it holds ``t.in_use`` and counts into ``totals`` as native's :func:`native.express`.
+    (:func:`native.one_call`); it holds ``t.in_use`` and counts ``nbytes`` into ``totals`` as native's
+    :func:`native.express`.
     Called on an array: None once done, NotImplemented (nothing sent) for an array it does not take, else what is
     left for :func:`complete`. None where there is no such call (p != 2, more than ``EXCHANGE_UPTO`` bytes)."""
     reduction = native.one_call(t, buf, op) if t.size == 2 and buf.nbytes <= EXCHANGE_UPTO else None
@@ -244,7 +245,7 @@ def express(t: Transport, buf, op: ReduceOp, totals: array) -> Callable[[Any], A
         return None
     mpi_op, finish = reduction
     bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * native.C_TESTS, _exchange_buffer(t, buf.nbytes))
-    return load_calls().ExpressCall(bound, t.in_use, totals, float(buf.nbytes))
+    return load_calls().ExpressCall(bound, t.in_use, totals, float(nbytes))
 
 
 def complete(t: Transport, buf, op: ReduceOp, outcome) -> None:
