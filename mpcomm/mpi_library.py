@@ -103,7 +103,8 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
                        arithmetic_op_bytes=(0, None), polled_from_copy=(2, 4, 64 << 10),
                        cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"), ("pass_byte", 60e-12),
                                    ("alpha_py_in_node", 10e-6), ("native_int_scale", ()), ("single_copy", True),
-                                   ("exchange_upto", 16 << 10), ("widen_byte", 0.4e-9),
+                                   ("exchange_upto", 16 << 10), ("exchange_floats_upto", None),
+                                   ("widen_byte", 0.4e-9),
                                    ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
 }
 # A library not measured here waits as before: non-blocking calls polled, nothing it may lack (MPI-4).

@@ -125,6 +125,11 @@ class CostModel:
     # where no such call is made (the torch backend's groups, whose C++ all-reduce is native's: torch/group.py).
     alpha_exchange: float | None = 1.5e-6
     exchange_upto: int = 4 << 10
+    # The same for floats (float16/bfloat16 on their float32 work array), which the exchange reduces with mpcomm's
+    # own ops where integers take the library's (None: ``exchange_upto``): on MPICH the exchange took a median
+    # 0.90-0.94x native's time for floats of 8-16 KiB on the wire, 1.03-1.07x at 32 KiB, integers 1.2-2x from
+    # 8 KiB (dtype_op.md, "Stop 61").
+    exchange_floats_upto: int | None = 16 << 10
     alpha_segment: float = 10e-6
     alpha_net: float = 2e-6
     beta: float = 1 / 5e9
@@ -420,16 +425,17 @@ class CostModel:
     def _exchange(self, nbytes: int, layout: Layout, dtype: np.dtype, op: str | None) -> float | None:
         """Seconds of rhd's all-reduce of two ranks of up to ``EXCHANGE_UPTO`` bytes on the wire, one exchange: in
         one C call where native's one C call would take (the wire's dtype, ``op``) (float min/max: where it reduces
-        them with mpcomm's own ops, on one node), up to ``exchange_upto`` (above it None: priced as rhd's steps, as
-        it measured); else Python's one step. Either with its passes (a 16-bit buffer's widening). None where rhd is
-        not that exchange."""
+        them with mpcomm's own ops, on one node), up to ``exchange_upto`` (floats: ``exchange_floats_upto``; above
+        it None: priced as rhd's steps, as it measured); else Python's one step. Either with its passes (a 16-bit
+        buffer's widening). None where rhd is not that exchange."""
         wire = self.wire_bytes("rhd", nbytes, dtype, op)
         if layout.size != 2 or not 0 < wire <= EXCHANGE_UPTO or op is None:
             return None
-        passes = self.passes("allreduce", "rhd", nbytes, layout, dtype, op)
-        if one_call_takes(wire_dtype(dtype), op, layout.num_nodes == 1 and self.native_min_max_op):
-            alpha = self.alpha_exchange
-            return None if alpha is None or wire > self.exchange_upto else self.exchange(wire, layout, alpha) + passes
+        passes, wired = self.passes("allreduce", "rhd", nbytes, layout, dtype, op), wire_dtype(dtype)
+        if one_call_takes(wired, op, layout.num_nodes == 1 and self.native_min_max_op):
+            floats, alpha = self.exchange_floats_upto, self.alpha_exchange
+            upto = floats if floats is not None and wired.kind == "f" else self.exchange_upto
+            return None if alpha is None or wire > upto else self.exchange(wire, layout, alpha) + passes
         return self.exchange(wire, layout, self.alpha_py) + passes
 
     def compressed_allreduce(self, wire: str, nbytes: float, layout: Layout) -> float:
