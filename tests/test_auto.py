@@ -30,7 +30,7 @@ from mpcomm import Communicator
 from mpcomm.algorithms import REGISTRY, pipelined
 from mpcomm.algorithms.auto import (FRESH_PAGES_FROM, STEADY, STEADY_MARGIN, STEPWISE, TABLE_FORMAT, CostModel,
                                    Layout, Selector, crossovers)
-from mpcomm.buffers import BFLOAT16
+from mpcomm.buffers import BFLOAT16, wire_dtype
 
 P = WORLD.Get_size()
 
@@ -479,8 +479,8 @@ def test_two_ranks_take_rhds_exchange_in_c_where_native_would_reduce_in_its_one_
         maxima = [(f32, "max")] if layout.num_nodes == 1 else []  # (across nodes native keeps MPI's, and keys)
         for dtype, op in [(f32, "sum"), *maxima, (f32, "avg"), (np.dtype(np.int8), "prod"), (c64, "sum"),
                           (f16, "sum"), (BFLOAT16, "avg")]:
-            wire = floats_upto if dtype.kind == "f" or dtype == BFLOAT16 else upto
-            most = wire // (2 if dtype.itemsize == 2 else 1)  # (the bytes of the float32 work array it widens to)
+            limit = floats_upto if wire_dtype(dtype).kind == "f" else upto
+            most = limit // (2 if dtype.itemsize == 2 else 1)  # (the bytes of the float32 work array it widens to)
             assert [selector.predict("allreduce", n, dtype=dtype, op=op) for n in (8, most)] == ["rhd", "rhd"]
             assert selector.predict("allreduce", 2 * most, dtype=dtype, op=op) != "rhd", (dtype, op)
             assert without.predict("allreduce", 8, dtype=dtype, op=op) == "native", (dtype, op)
