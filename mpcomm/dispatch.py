@@ -130,6 +130,7 @@ class Dispatcher:
         self._plans: dict = {}
         self._plans_generation = 0  # counts the times auto's choices changed (a table loaded): plans made again
         self._last_allreduce: tuple = NO_LAST_PLAN  # (dtype, shape, op, algorithm, plan) of the last cached all-reduce
+        self._shortcut: Any = None  # native_calls.Shortcut: the Communicator's allreduce, where it is built
 
     # ------------------------------------------------------------------ public low-level API
     @property
@@ -267,22 +268,32 @@ class Dispatcher:
         try:
             outcome = express(buf)
         except Exception as exc:  # (the lock given back)
-            t.operation = plan.label
-            self._raise_midway(t, plan, exc)
-        if outcome is NotImplemented:
-            return False
-        trace = t.trace  # (recorded once the call is made: it returns within its tests, or has met every rank)
-        if trace is not None:
-            trace.collectives += 1
-            slot = next(trace.slots)
-            trace.groups[slot] = trace
-            trace.calls[slot] = plan
-            trace.starts[slot] = express.started
+            outcome = exc
         if outcome is None:  # (done, and counted)
-            if trace is not None:
+            trace = t.trace  # (recorded once the call is made: it returns within its tests, or has met every rank)
+            if trace is not None:  # (GroupTrace.started, inline: as run()'s)
+                trace.collectives += 1
+                slot = next(trace.slots)
+                trace.groups[slot] = trace
+                trace.calls[slot] = plan
+                trace.starts[slot] = express.started
                 trace.ends[slot] = express.ended
             return True
-        try:  # still running, the lock still held: waited for within the deadline, then finished
+        return self._express_outcome(plan, buf, outcome)
+
+    def _express_outcome(self, plan: Plan, buf, outcome) -> bool:
+        """The rest of :meth:`run_express` after its call returned ``outcome`` other than done: False for
+        NotImplemented (nothing sent); an exception raised as run()'s would be; else the call still running, the
+        lock still held: waited for within the deadline, finished, counted and recorded (True)."""
+        t, express = self._sync, plan.express
+        if outcome is NotImplemented:
+            return False
+        if isinstance(outcome, Exception):
+            t.operation = plan.label
+            self._raise_midway(t, plan, outcome)
+        trace = t.trace
+        slot = trace.started(plan, express.started) if trace is not None else 0
+        try:
             t.operation = plan.label
             EXPRESS[plan.algorithm][1](t, buf, plan.rop, outcome)
             self._check_still_usable(plan)
@@ -562,6 +573,8 @@ class Dispatcher:
         self._plans.clear()
         self._plans_generation += 1
         self._last_allreduce = NO_LAST_PLAN
+        if self._shortcut is not None:
+            self._shortcut.forget()
         return loaded
 
     def _others(self) -> list[int]:

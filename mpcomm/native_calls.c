@@ -14,6 +14,8 @@
 #include <Python.h>
 
 #include <structmember.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/ndarraytypes.h> /* (the array's fields only: no numpy C API is called) */
 
 #include <mpi.h>
 #if defined(OPEN_MPI) && OPEN_MPI
@@ -620,7 +622,7 @@ static PyObject *fault_tolerant(PyObject *self, PyObject *unused) {
  * or watched_view(watch, buf, op, finish) with bound = (comm, op, finish, watch), `watch` the comm's Watch:
  * the arguments one plan's calls share, and NotImplemented, with nothing sent, for a buffer that is not writable and
  * C-contiguous too, or a persistent request not made (an empty list). */
-static PyObject *express_bound(PyObject *bound_arguments, PyObject *buf) {
+static PyObject *express_bound(PyObject *bound_arguments, Py_buffer *view) {
     Py_ssize_t size = PyTuple_GET_SIZE(bound_arguments); /* (3 to 6: checked when the ExpressCall is made) */
     PyObject *persistent = size == 3 ? PyTuple_GET_ITEM(bound_arguments, 0) : NULL;
     if (persistent != NULL && !(PyList_CheckExact(persistent) && PyList_GET_SIZE(persistent) == 3))
@@ -634,30 +636,24 @@ static PyObject *express_bound(PyObject *bound_arguments, PyObject *buf) {
                                                                    : PyTuple_GET_ITEM(bound_arguments, i))) == -1
             && PyErr_Occurred())
             return NULL;
-    Py_buffer view, meeting, own;
+    Py_buffer meeting, own;
     if (size == 6 && !meeting_of(PyTuple_GET_ITEM(bound_arguments, 5), &meeting)) return NULL;
     if (size == 5
         && PyObject_GetBuffer(PyTuple_GET_ITEM(bound_arguments, 4), &own, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
         return NULL;
     PyObject *result;
-    if (PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
-        PyErr_Clear();
-        result = Py_NewRef(Py_NotImplemented);
-    } else {
-        if (size == 3) {
-            result = start_view(bound[0], PyList_GET_ITEM(persistent, 1), &view, bound[1], bound[2]);
-            if (result == Py_True) {
-                Py_DECREF(result);
-                result = Py_NewRef(Py_None);
-            }
-        } else {
-            result = watch != NULL ? watched_view((Watch *)watch, &view, bound[1], bound[2])
-                     : size == 4   ? allreduce_view(bound[0], &view, bound[1], bound[2], bound[3])
-                     : size == 5 ? exchange_view(bound[0], &view, bound[1], bound[2], bound[3], &own, bound_arguments)
-                                 : meet_allreduce_view(bound[0], &view, bound[1], bound[2], bound[3], bound[4],
-                                                       meeting.buf);
+    if (size == 3) {
+        result = start_view(bound[0], PyList_GET_ITEM(persistent, 1), view, bound[1], bound[2]);
+        if (result == Py_True) {
+            Py_DECREF(result);
+            result = Py_NewRef(Py_None);
         }
-        PyBuffer_Release(&view);
+    } else {
+        result = watch != NULL ? watched_view((Watch *)watch, view, bound[1], bound[2])
+                 : size == 4   ? allreduce_view(bound[0], view, bound[1], bound[2], bound[3])
+                 : size == 5   ? exchange_view(bound[0], view, bound[1], bound[2], bound[3], &own, bound_arguments)
+                               : meet_allreduce_view(bound[0], view, bound[1], bound[2], bound[3], bound[4],
+                                                     meeting.buf);
     }
     if (size == 6) PyBuffer_Release(&meeting);
     if (size == 5) PyBuffer_Release(&own);
@@ -823,11 +819,9 @@ typedef struct {
  * around it (started, ended: kept from the last call that sent). A call done (None) is counted into `totals` and
  * gives `busy` back; one still running keeps it, for the caller to wait, finish, count and give back; an error
  * gives it back and raises. */
-static PyObject *express_call(ExpressCall *self, PyObject *const *args, size_t nargsf, PyObject *names) {
-    if (PyVectorcall_NARGS(nargsf) != 1 || names != NULL) {
-        PyErr_SetString(PyExc_TypeError, "ExpressCall(buf): one positional argument");
-        return NULL;
-    }
+
+/* The call of an ExpressCall on `view` (writable, C-contiguous, with its format). */
+static PyObject *express_view(ExpressCall *self, Py_buffer *view) {
     Busy *busy = self->busy;
     if (busy->held) return Py_NewRef(Py_NotImplemented);
     busy->held = 1;
@@ -836,7 +830,7 @@ static PyObject *express_call(ExpressCall *self, PyObject *const *args, size_t n
         busy->held = 0;
         return NULL;
     }
-    PyObject *result = express_bound(self->bound, args[0]);
+    PyObject *result = express_bound(self->bound, view);
     if (result == NULL || result == Py_NotImplemented) {
         busy->held = 0;
         return result;
@@ -852,6 +846,21 @@ static PyObject *express_call(ExpressCall *self, PyObject *const *args, size_t n
         totals[0] += 1, totals[1] += self->nbytes, totals[2] += self->ended - self->started;
         busy->held = 0;
     }
+    return result;
+}
+
+static PyObject *express_call(ExpressCall *self, PyObject *const *args, size_t nargsf, PyObject *names) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || names != NULL) {
+        PyErr_SetString(PyExc_TypeError, "ExpressCall(buf): one positional argument");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();
+        return Py_NewRef(Py_NotImplemented);
+    }
+    PyObject *result = express_view(self, &view);
+    PyBuffer_Release(&view);
     return result;
 }
 
@@ -922,6 +931,294 @@ static PyTypeObject ExpressCallType = {
     .tp_new = express_new,
 };
 
+/* ---- A Communicator's all-reduce like its last one, in one C call from the user's: Shortcut is the Communicator's
+ * `allreduce` (an instance attribute over the method) where the extension is built. A call with the last call's op
+ * and algorithm (positional or by keyword, no wire) on a writable C-contiguous numpy array of its dtype and shape,
+ * while nothing else must run first (the gates of Dispatcher.run_express), is that plan's ExpressCall on the array's
+ * memory, its flight recorder's entry written here; anything else is the method's (`general`). A Python call, a
+ * frame, the last plan's lookup, the array's dtype, shape and buffer cost as much as Open MPI's whole all-reduce of
+ * a few bytes (bench/results/openmpi.md, "Stop 62"). */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *general;          /* the Communicator's allreduce method, bound (the general path) */
+    PyObject *dispatcher;       /* that Communicator: the rest of an express call's outcome */
+    PyObject *attributes;       /* its __dict__: its gates */
+    PyObject *ndarray, *default_op, *default_algorithm;
+    PyObject *last; /* the call it takes (NULL: none): a tuple of LAST_ITEMS, held by a call while it runs */
+} Shortcut;
+
+/* The last call's op, algorithm, plan, its plan's ExpressCall, the flight recorder's lane of the transport (None:
+ * recording off); its array's dtype, dimensions (bytes of npy_intp), buffer format (bytes), item size and bytes; and
+ * (with a lane) the recorder's ring: groups, calls, starts and slot counter. */
+enum { LAST_OP, LAST_ALGORITHM, LAST_PLAN, LAST_EXPRESS, LAST_LANE, LAST_DTYPE, LAST_DIMENSIONS, LAST_FORMAT,
+       LAST_ITEMSIZE, LAST_NBYTES, LAST_GROUPS, LAST_CALLS, LAST_STARTS, LAST_SLOTS, LAST_ITEMS };
+
+static PyObject *str_meet, *str_inline, *str_queue, *str_unusable, *str_collectives, *str_ends, *str_outcome,
+    *str_op, *str_algorithm, *str_wire, *one;
+
+/* Whether the Communicator (its attributes: `attributes`) lets the express call run now: no validation meeting, no
+ * non-blocking work queued to run first, usable (Dispatcher.run_express's gates); -1 with an exception set. */
+static int shortcut_open(PyObject *attributes) {
+    PyObject *meet = PyDict_GetItemWithError(attributes, str_meet);
+    PyObject *unusable = PyDict_GetItemWithError(attributes, str_unusable);
+    PyObject *inline_progress = PyDict_GetItemWithError(attributes, str_inline);
+    if (meet == NULL || unusable == NULL || inline_progress == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "Shortcut: the Communicator has no gates");
+        return -1;
+    }
+    int closed = meet == Py_False ? 0 : PyObject_IsTrue(meet);
+    if (closed || unusable != Py_None) return closed < 0 ? -1 : 0;
+    if (inline_progress == Py_None) return 1;
+    PyObject *queue = PyObject_GetAttr(inline_progress, str_queue);
+    if (queue == NULL) return -1;
+    closed = PyObject_IsTrue(queue);
+    Py_DECREF(queue);
+    return closed < 0 ? -1 : !closed;
+}
+
+/* Store `value` at `slot` of the recorder's `ring` (a list, or the timeline's stand-in for ends): 0, or -1. */
+static int ring_store(PyObject *ring, Py_ssize_t slot, PyObject *value) {
+    if (PyList_CheckExact(ring) && slot < PyList_GET_SIZE(ring)) {
+        Py_SETREF(PyList_GET_ITEM(ring, slot), Py_NewRef(value));
+        return 0;
+    }
+    PyObject *index = PyLong_FromSsize_t(slot);
+    int status = index == NULL ? -1 : PyObject_SetItem(ring, index, value);
+    Py_XDECREF(index);
+    return status;
+}
+
+/* The flight recorder's entry of `last`'s call, done (Dispatcher.run_express's): 0, or -1 with an exception set. */
+static int shortcut_record(PyObject *last) {
+    PyObject *lane = PyTuple_GET_ITEM(last, LAST_LANE), *count, *slot_object, *ends, *start = NULL, *end = NULL;
+    ExpressCall *express = (ExpressCall *)PyTuple_GET_ITEM(last, LAST_EXPRESS);
+    if (lane == Py_None) return 0;
+    if ((count = PyObject_GetAttr(lane, str_collectives)) == NULL) return -1;
+    PyObject *next = PyNumber_Add(count, one);
+    Py_DECREF(count);
+    if (next == NULL) return -1;
+    int failed_set = PyObject_SetAttr(lane, str_collectives, next);
+    Py_DECREF(next);
+    if (failed_set || (slot_object = PyIter_Next(PyTuple_GET_ITEM(last, LAST_SLOTS))) == NULL) return -1;
+    Py_ssize_t slot = PyLong_AsSsize_t(slot_object);
+    Py_DECREF(slot_object);
+    if (slot == -1 && PyErr_Occurred()) return -1;
+    if ((ends = PyObject_GetAttr(lane, str_ends)) == NULL) return -1;
+    int status = (start = PyFloat_FromDouble(express->started)) != NULL
+                 && (end = PyFloat_FromDouble(express->ended)) != NULL
+                 && ring_store(PyTuple_GET_ITEM(last, LAST_GROUPS), slot, lane) == 0
+                 && ring_store(PyTuple_GET_ITEM(last, LAST_CALLS), slot, PyTuple_GET_ITEM(last, LAST_PLAN)) == 0
+                 && ring_store(PyTuple_GET_ITEM(last, LAST_STARTS), slot, start) == 0
+                 && ring_store(ends, slot, end) == 0 ? 0 : -1;
+    Py_XDECREF(start);
+    Py_XDECREF(end);
+    Py_DECREF(ends);
+    return status;
+}
+
+/* What a call of `last` (taken: its array, op and algorithm are the last call's) returns: `buf` once done, NULL
+ * with an exception set, or NotImplemented where the method must make the call (the gates closed, another dtype
+ * or shape, the express call not taking it). */
+static PyObject *shortcut_take(Shortcut *self, PyObject *last, PyObject *const *args) {
+    PyObject *buf = args[0], *dimensions = PyTuple_GET_ITEM(last, LAST_DIMENSIONS);
+    PyArrayObject *array = (PyArrayObject *)buf;
+    int usable = NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_WRITEABLE;
+    size_t size = (size_t)PyArray_NDIM(array) * sizeof(npy_intp);
+    int same = (PyObject *)PyArray_DESCR(array) == PyTuple_GET_ITEM(last, LAST_DTYPE)
+               && size == (size_t)PyBytes_GET_SIZE(dimensions)
+               && memcmp(PyArray_DIMS(array), PyBytes_AS_STRING(dimensions), size) == 0
+               && (PyArray_FLAGS(array) & usable) == usable;
+    if (same) same = shortcut_open(self->attributes);
+    if (same <= 0) return same < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    Py_buffer view = {.buf = PyArray_DATA(array), .obj = NULL, .readonly = 0, .ndim = 1,
+                      .len = PyLong_AsSsize_t(PyTuple_GET_ITEM(last, LAST_NBYTES)),
+                      .itemsize = PyLong_AsSsize_t(PyTuple_GET_ITEM(last, LAST_ITEMSIZE)),
+                      .format = PyBytes_AS_STRING(PyTuple_GET_ITEM(last, LAST_FORMAT))};
+    PyObject *outcome = express_view((ExpressCall *)PyTuple_GET_ITEM(last, LAST_EXPRESS), &view);
+    if (outcome == Py_None) {
+        Py_DECREF(outcome);
+        return shortcut_record(last) == 0 ? Py_NewRef(buf) : NULL;
+    }
+    if (outcome == NULL) { /* (an Exception: raised as run_express's) */
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (traceback != NULL) PyException_SetTraceback(value, traceback);
+        outcome = value;
+        Py_XDECREF(type);
+        Py_XDECREF(traceback);
+    }
+    PyObject *taken = PyObject_CallMethodObjArgs(self->dispatcher, str_outcome, PyTuple_GET_ITEM(last, LAST_PLAN),
+                                                 buf, outcome, NULL);
+    Py_DECREF(outcome);
+    if (taken == NULL) return NULL;
+    int done = taken == Py_True;
+    Py_DECREF(taken);
+    return Py_NewRef(done ? buf : Py_NotImplemented);
+}
+
+static PyObject *shortcut_call(Shortcut *self, PyObject *const *args, size_t nargsf, PyObject *names) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), named = names == NULL ? 0 : PyTuple_GET_SIZE(names);
+    PyObject *parameters[4] = {NULL, self->default_op, self->default_algorithm, Py_None}; /* buf, op, algorithm, wire */
+    int plain = self->last != NULL && nargs >= 1 && nargs + named <= 4;
+    unsigned seen = 0; /* (a parameter given twice is the general path's TypeError) */
+    for (Py_ssize_t i = 0; plain && i < nargs + named; i++) {
+        Py_ssize_t at = i;
+        if (i >= nargs) {
+            PyObject *name = PyTuple_GET_ITEM(names, i - nargs);
+            at = name == str_op || PyUnicode_Compare(name, str_op) == 0 ? 1
+                 : name == str_algorithm || PyUnicode_Compare(name, str_algorithm) == 0 ? 2
+                 : name == str_wire || PyUnicode_Compare(name, str_wire) == 0 ? 3 : 0;
+            if (at == 0 && PyErr_Occurred()) PyErr_Clear();
+        }
+        plain = (at > 0 || i == 0) && !(seen & (1u << at));
+        seen |= 1u << at;
+        parameters[at] = args[i];
+    }
+    PyObject *last = self->last;
+    if (plain && parameters[3] == Py_None && Py_TYPE(args[0]) == (PyTypeObject *)self->ndarray
+        && parameters[1] == PyTuple_GET_ITEM(last, LAST_OP) && parameters[2] == PyTuple_GET_ITEM(last, LAST_ALGORITHM)) {
+        Py_INCREF(last); /* (another thread's call may remember another meanwhile) */
+        PyObject *result = shortcut_take(self, last, args);
+        Py_DECREF(last);
+        if (result != Py_NotImplemented) return result;
+        Py_DECREF(result);
+    }
+    return PyObject_Vectorcall(self->general, args, nargsf, names);
+}
+
+/* Shortcut(general, dispatcher, ndarray, default_op, default_algorithm) */
+static PyObject *shortcut_new(PyTypeObject *type, PyObject *args, PyObject *names) {
+    PyObject *general, *dispatcher, *ndarray, *op, *algorithm;
+    if (names != NULL && PyDict_GET_SIZE(names)) {
+        PyErr_SetString(PyExc_TypeError, "Shortcut(general, dispatcher, ndarray, op, algorithm): positional arguments");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OOO!OO:Shortcut", &general, &dispatcher, &PyType_Type, &ndarray, &op, &algorithm))
+        return NULL;
+    Shortcut *self = (Shortcut *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->vectorcall = (vectorcallfunc)shortcut_call;
+    self->general = Py_NewRef(general), self->dispatcher = Py_NewRef(dispatcher), self->ndarray = Py_NewRef(ndarray);
+    self->default_op = Py_NewRef(op), self->default_algorithm = Py_NewRef(algorithm);
+    if ((self->attributes = PyObject_GenericGetDict(dispatcher, NULL)) == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+/* Forget the last call (the next is the general path's, which remembers it again). */
+static void shortcut_forget(Shortcut *self) { Py_CLEAR(self->last); }
+
+static int shortcut_clear(Shortcut *self) {
+    shortcut_forget(self);
+    Py_CLEAR(self->general); Py_CLEAR(self->dispatcher); Py_CLEAR(self->attributes); Py_CLEAR(self->ndarray);
+    Py_CLEAR(self->default_op); Py_CLEAR(self->default_algorithm);
+    return 0;
+}
+
+static int shortcut_traverse(Shortcut *self, visitproc visit, void *arg) {
+    Py_VISIT(self->general); Py_VISIT(self->dispatcher); Py_VISIT(self->attributes); Py_VISIT(self->ndarray);
+    Py_VISIT(self->default_op); Py_VISIT(self->default_algorithm);
+    Py_VISIT(self->last);
+    return 0;
+}
+
+static void shortcut_dealloc(Shortcut *self) {
+    PyObject_GC_UnTrack(self);
+    shortcut_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* remember(array, op, algorithm, plan, express, lane): the call to take from now on, one like this one: `array` a
+ * numpy array (writable, C-contiguous) of its dtype and shape, `express` its plan's ExpressCall and `lane` the
+ * flight recorder's lane of the transport it runs on (or None). */
+static PyObject *shortcut_remember(Shortcut *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || Py_TYPE(args[0]) != (PyTypeObject *)self->ndarray || !Py_IS_TYPE(args[4], &ExpressCallType)) {
+        PyErr_SetString(PyExc_TypeError, "remember(array, op, algorithm, plan, express, lane): array a numpy array, "
+                                         "express an ExpressCall");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    PyArrayObject *array = (PyArrayObject *)args[0];
+    PyObject *last = PyTuple_New(LAST_ITEMS);
+    if (last != NULL) {
+        for (int i = 0; i < LAST_ITEMS; i++)
+            PyTuple_SET_ITEM(last, i, Py_NewRef(i <= LAST_LANE ? args[i + 1] : Py_None));
+        Py_SETREF(PyTuple_GET_ITEM(last, LAST_DTYPE), Py_NewRef((PyObject *)PyArray_DESCR(array)));
+        PyObject *made[] = {
+            PyBytes_FromStringAndSize((const char *)PyArray_DIMS(array), PyArray_NDIM(array) * sizeof(npy_intp)),
+            PyBytes_FromString(view.format), PyLong_FromSsize_t(view.itemsize), PyLong_FromSsize_t(view.len)};
+        for (int i = 0; i < 4; i++)
+            if (made[i] != NULL) Py_SETREF(PyTuple_GET_ITEM(last, LAST_DIMENSIONS + i), made[i]);
+        static const char *ring[] = {"groups", "calls", "starts", "slots"};
+        for (int i = LAST_GROUPS; i < LAST_ITEMS && !PyErr_Occurred() && args[5] != Py_None; i++) {
+            PyObject *part = PyObject_GetAttrString(args[5], ring[i - LAST_GROUPS]);
+            if (part != NULL) Py_SETREF(PyTuple_GET_ITEM(last, i), part);
+        }
+    }
+    PyBuffer_Release(&view);
+    if (last == NULL || PyErr_Occurred()) {
+        Py_XDECREF(last);
+        return NULL;
+    }
+    Py_XSETREF(self->last, last);
+    Py_RETURN_NONE;
+}
+
+static PyObject *shortcut_forget_call(Shortcut *self, PyObject *unused) {
+    (void)unused;
+    shortcut_forget(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef shortcut_methods[] = {
+    {"remember", (PyCFunction)(void (*)(void))shortcut_remember, METH_FASTCALL,
+     "remember(array, op, algorithm, plan, express, lane): the call to take from now on, one like this"},
+    {"forget", (PyCFunction)shortcut_forget_call, METH_NOARGS, "forget(): take no call (until remember)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef shortcut_members[] = {
+    {"last", T_OBJECT, offsetof(Shortcut, last), READONLY, "the call it takes: (op, algorithm, plan, express, "
+     "lane, ...) (None: none)"},
+    {"__wrapped__", T_OBJECT, offsetof(Shortcut, general), READONLY, "the method it stands in front of"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyObject *shortcut_doc(Shortcut *self, void *closure) {
+    (void)closure;
+    return PyObject_GetAttrString(self->general, "__doc__");
+}
+
+static PyGetSetDef shortcut_getset[] = {
+    {"__doc__", (getter)shortcut_doc, NULL, "the method's", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ShortcutType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpcomm._native_calls.Shortcut",
+    .tp_basicsize = sizeof(Shortcut),
+    .tp_dealloc = (destructor)shortcut_dealloc,
+    .tp_vectorcall_offset = offsetof(Shortcut, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Shortcut(general, dispatcher, ndarray, op, algorithm): a Communicator's allreduce, its call like the "
+              "last one made in C (the plan's express call), any other by `general`",
+    .tp_traverse = (traverseproc)shortcut_traverse,
+    .tp_clear = (inquiry)shortcut_clear,
+    .tp_methods = shortcut_methods,
+    .tp_members = shortcut_members,
+    .tp_getset = shortcut_getset,
+    .tp_new = shortcut_new,
+};
+
 /* clock(): now(), for the test that it reads time.perf_counter's clock. */
 static PyObject *clock_call(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
@@ -982,7 +1279,16 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_calls", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native_calls(void) {
-    if (PyType_Ready(&BusyType) < 0 || PyType_Ready(&ExpressCallType) < 0 || PyType_Ready(&WatchType) < 0) return NULL;
+    if (PyType_Ready(&BusyType) < 0 || PyType_Ready(&ExpressCallType) < 0 || PyType_Ready(&WatchType) < 0
+        || PyType_Ready(&ShortcutType) < 0)
+        return NULL;
+    PyObject **interned[] = {&str_meet, &str_inline, &str_queue, &str_unusable, &str_collectives, &str_ends,
+                             &str_outcome, &str_op, &str_algorithm, &str_wire};
+    const char *names[] = {"_meet", "_inline", "queue", "_unusable", "collectives", "ends", "_express_outcome",
+                           "op", "algorithm", "wire"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if ((*interned[i] = PyUnicode_InternFromString(names[i])) == NULL) return NULL;
+    if ((one = PyLong_FromLong(1)) == NULL) return NULL;
 #ifndef __linux__
     PyObject *time = PyImport_ImportModule("time");
     if (time == NULL) return NULL;
@@ -994,7 +1300,8 @@ PyMODINIT_FUNC PyInit__native_calls(void) {
     if (created == NULL) return NULL;
     if (PyModule_AddObjectRef(created, "Busy", (PyObject *)&BusyType) < 0
         || PyModule_AddObjectRef(created, "ExpressCall", (PyObject *)&ExpressCallType) < 0
-        || PyModule_AddObjectRef(created, "Watch", (PyObject *)&WatchType) < 0) {
+        || PyModule_AddObjectRef(created, "Watch", (PyObject *)&WatchType) < 0
+        || PyModule_AddObjectRef(created, "Shortcut", (PyObject *)&ShortcutType) < 0) {
         Py_DECREF(created);
         return NULL;
     }

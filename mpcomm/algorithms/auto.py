@@ -578,10 +578,13 @@ class Selector:
         ranks span several hosts, measures the network between them; ``probe=False`` (the Communicator's agreed
         setting from env ``MPCOMM_NETWORK_PROBE=0``; None: read it here) skips that and keeps the model's
         default network). The model's constants for ``native`` are the MPI library's (``mpcomm.mpi_library``:
-        the same library on every rank, so the same choices)."""
+        the same library on every rank, so the same choices), and where native makes the library's blocking call
+        under the watchdog (``native.watch``: the same on every rank) two ranks' small all-reduces are native's."""
         from . import REGISTRY
 
         layout, network, model = Layout.of(comm), None, CostModel.of_library(library())
+        if comm.transport.watch is not None:  # native's blocking call under the watchdog is faster than rhd's
+            model = replace(model, alpha_exchange=None)  # exchange at any size (openmpi.md, "Stop 62")
         if probe is None:
             probe = os.environ.get("MPCOMM_NETWORK_PROBE", "1").strip().lower() not in ("0", "false", "no", "off")
         if layout.num_nodes > 1 and probe:
