@@ -42,6 +42,15 @@ _OP_DTYPES = {MIN: frozenset(KEY_DTYPES), MAX: frozenset(KEY_DTYPES), SUM: froze
 _PERSISTENT_KEPT = 64  # persistent all-reduces (of distinct count, dtype, op) one transport keeps at most
 _ONE_CALL_UPTO = 64 << 10  # up to this many bytes native_calls does the all-reduce, holding the GIL throughout
 C_TESTS = 4  # native_calls' Tests per quick Test of the transport's (transport.py): one costs a quarter of mpi4py's
+# With a core each, 16 times as many: a rank whose call falls back to Python's wait reaches the next call late, so
+# its partner's falls back too; on Open MPI a quarter of two ranks' exchanges of 8 B did, each call then 2-3x as
+# long, where 512 Tests let almost none (bench/results/openmpi.md, "Stop 62"). Ranks sharing cores keep few.
+C_TESTS_OWN_CORE = 64
+
+
+def c_tests(t: Transport) -> int:
+    """How many Tests native_calls makes of a call on ``t`` before it hands the request back to Python's wait."""
+    return t.quick_tests * (C_TESTS if t.cores_shared else C_TESTS_OWN_CORE)
 # The meeting's Tests in native_calls before the deadline's wait, the GIL released: only ranks with a core each meet,
 # and the blocking call after it spins as long
 _MEETING_TESTS = 1000
@@ -89,11 +98,11 @@ def express(t: Transport, buf, op: ReduceOp, totals: array, nbytes: int) -> Call
         persistent = t.persistent_requests.setdefault(_persistent_key(buf, op, mpi_op), [])
         if persistent is None:  # (the library has none)
             return None
-        bound = (persistent, finish, t.quick_tests * C_TESTS)  # (filled where it is made: _persistent_allreduce)
+        bound = (persistent, finish, c_tests(t))  # (filled where it is made: _persistent_allreduce)
     elif way == _MEET:
         bound = (t.fortran, mpi_op.py2f(), finish, _MEETING_TESTS, _kind(buf.dtype, op.name), _meeting(t))
     else:
-        bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * C_TESTS)
+        bound = (t.fortran, mpi_op.py2f(), finish, c_tests(t))
     return calls.ExpressCall(bound, t.in_use, totals, float(nbytes))
 
 
@@ -256,7 +265,7 @@ def _allreduce_in_place(t: Transport, buf, op: ReduceOp, finish: int = 0, mpi_op
         if way == _MEET:
             return _meet_then_block(t, buf, op, mpi_op, finish)
         if way == _ONE_CALL:
-            request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), finish, t.quick_tests * C_TESTS)
+            request = calls.allreduce(t.fortran, buf, mpi_op.py2f(), finish, c_tests(t))
             if request is None:
                 return finish != 0
             if request is not NotImplemented:
@@ -377,7 +386,7 @@ def _start(t: Transport, buf, persistent: list, calls, finish: int) -> bool:
     """``buf`` <- the all-reduce of ``persistent`` (request, its buffer, its Fortran handle) started on ``buf``'s
     values; True if it was also finished as ``finish`` asks (in ``native_calls``' one call)."""
     request, own, handle = persistent
-    done = NotImplemented if calls is None else calls.start(handle, own, buf, finish, t.quick_tests * C_TESTS)
+    done = NotImplemented if calls is None else calls.start(handle, own, buf, finish, c_tests(t))
     if done is NotImplemented:  # (mpi4py's calls: the same MPI calls, one by one)
         own[...] = buf
         request.Start()

@@ -244,7 +244,7 @@ def express(t: Transport, buf, op: ReduceOp, totals: array, nbytes: int) -> Call
     if reduction is None:
         return None
     mpi_op, finish = reduction
-    bound = (t.fortran, mpi_op.py2f(), finish, t.quick_tests * native.C_TESTS, _exchange_buffer(t, buf.nbytes))
+    bound = (t.fortran, mpi_op.py2f(), finish, native.c_tests(t), _exchange_buffer(t, buf.nbytes))
     return load_calls().ExpressCall(bound, t.in_use, totals, float(nbytes))
 
 
