@@ -391,7 +391,7 @@ class Communicator(Dispatcher):
             plan = self._plans.get(("allreduce", dtype, shape, op, algorithm, None))
             if plan is not None and plan.direct:
                 self._last_allreduce = (dtype, shape, op, algorithm, plan)
-                if plan.express is not None and self._shortcut is not None and _as_it_is(buf):
+                if plan.express is not None and self._shortcut is not None:
                     self._shortcut.remember(buf, op, algorithm, plan, plan.express, self._sync.trace)
                 return plan
         return None

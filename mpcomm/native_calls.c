@@ -814,13 +814,11 @@ typedef struct {
     double started, ended; /* the last call's clock readings, on time.perf_counter's clock */
 } ExpressCall;
 
-/* ExpressCall(bound, busy, totals, nbytes)(buf): express_bound(bound, buf) with `busy` held (NotImplemented,
- * nothing sent, where it is held already: the caller's general path refuses the second thread) and the clock read
- * around it (started, ended: kept from the last call that sent). A call done (None) is counted into `totals` and
- * gives `busy` back; one still running keeps it, for the caller to wait, finish, count and give back; an error
- * gives it back and raises. */
-
-/* The call of an ExpressCall on `view` (writable, C-contiguous, with its format). */
+/* An ExpressCall's call on `view` (writable, C-contiguous, with its format): express_bound(bound, view) with `busy`
+ * held (NotImplemented, nothing sent, where it is held already: the caller's general path refuses the second
+ * thread) and the clock read around it (started, ended: kept from the last call that sent). A call done (None) is
+ * counted into `totals` and gives `busy` back; one still running keeps it, for the caller to wait, finish, count
+ * and give back; an error gives it back and raises. */
 static PyObject *express_view(ExpressCall *self, Py_buffer *view) {
     Busy *busy = self->busy;
     if (busy->held) return Py_NewRef(Py_NotImplemented);
@@ -849,6 +847,8 @@ static PyObject *express_view(ExpressCall *self, Py_buffer *view) {
     return result;
 }
 
+/* ExpressCall(bound, busy, totals, nbytes)(buf): express_view of `buf`'s buffer (NotImplemented, nothing sent, for
+ * a buffer not writable and C-contiguous). */
 static PyObject *express_call(ExpressCall *self, PyObject *const *args, size_t nargsf, PyObject *names) {
     if (PyVectorcall_NARGS(nargsf) != 1 || names != NULL) {
         PyErr_SetString(PyExc_TypeError, "ExpressCall(buf): one positional argument");
@@ -1135,8 +1135,8 @@ static void shortcut_dealloc(Shortcut *self) {
 }
 
 /* remember(array, op, algorithm, plan, express, lane): the call to take from now on, one like this one: `array` a
- * numpy array (writable, C-contiguous) of its dtype and shape, `express` its plan's ExpressCall and `lane` the
- * flight recorder's lane of the transport it runs on (or None). */
+ * numpy array of its dtype and shape (any layout: each call's own array must be writable and C-contiguous),
+ * `express` its plan's ExpressCall and `lane` the flight recorder's lane of the transport it runs on (or None). */
 static PyObject *shortcut_remember(Shortcut *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || Py_TYPE(args[0]) != (PyTypeObject *)self->ndarray || !Py_IS_TYPE(args[4], &ExpressCallType)) {
         PyErr_SetString(PyExc_TypeError, "remember(array, op, algorithm, plan, express, lane): array a numpy array, "
@@ -1144,7 +1144,7 @@ static PyObject *shortcut_remember(Shortcut *self, PyObject *const *args, Py_ssi
         return NULL;
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_RECORDS_RO) != 0) return NULL; /* (format, item size, bytes) */
     PyArrayObject *array = (PyArrayObject *)args[0];
     PyObject *last = PyTuple_New(LAST_ITEMS);
     if (last != NULL) {

