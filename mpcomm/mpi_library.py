@@ -98,15 +98,12 @@ PROFILES = {  # (the measurements behind each: bench/results/openmpi.md)
     # pass took 60-120 ps a byte at 64 KiB-1 MiB (25-45 in blocks of calls), and at 256 KiB the ring, which divides
     # in its last addition, took 0.53-0.88x native's time in six runs: priced at 60 (dtype_op.md, "Stop 53").
     # Its widened (16-bit) native all-reduce took 0.4 ns a byte more than float32's of the same wire to 32 KiB
-    # (MPICH's 0.2-0.25, with the same conversions: not explained), and rhd's exchange of floats on a 32 KiB wire
-    # (16-bit avgs of 16 KiB) ran 1.2-1.3x faster than the native and direct it had been priced behind; taken to
-    # 32 KiB, auto missed the best by over 1.10 in 2 of 80 cells at 8-64 KiB, float min/max at 32 KiB by 1.11-1.13,
-    # where it had in 5, by up to 1.29 (dtype_op.md, "Stop 61").
+    # (MPICH's 0.2-0.25, with the same conversions: not explained; dtype_op.md, "Stop 61").
     "openmpi": Library("openmpi", persistent_upto=2 << 10, blocking_above=(4 << 10) - 1, min_max_op=True,
                        arithmetic_op_bytes=(0, None), polled_from_copy=(2, 4, 64 << 10),
                        cost_model=(("native_byte_scale", 1.0), ("native_polled", "binomial"), ("pass_byte", 60e-12),
                                    ("alpha_py_in_node", 10e-6), ("native_int_scale", ()), ("single_copy", True),
-                                   ("exchange_upto", 16 << 10), ("exchange_floats_upto", 32 << 10),
+                                   ("exchange_upto", 16 << 10),
                                    ("widen_byte", 0.4e-9),
                                    ("native_collective_scale", (("reduce_scatter", 5.0), ("reduce", 4.0))))),
 }

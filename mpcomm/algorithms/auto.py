@@ -106,9 +106,8 @@ class CostModel:
     defaults are MPICH's; another library's profile replaces them (``mpcomm.mpi_library``: Open MPI's blocking
     all-reduce, which ``native`` makes there for large messages, moves bytes faster than mpcomm's algorithms).
 
-    ``direct`` moves and reduces the ring's bytes, on one node in p steps (its exchange, then the ring's
-    all-gather; :meth:`direct`), across nodes priced as the ring; float16/bfloat16 stay 16-bit in it
-    (:meth:`passes`).
+    ``direct`` moves and reduces the ring's bytes, on one node in two exchanges priced as p steps
+    (:meth:`direct`), across nodes priced as the ring; float16/bfloat16 stay 16-bit in it (:meth:`passes`).
 
     Defaults are rough guesses for a shared-memory node and a 100 Gb/s-class network, not measurements;
     ``with_network`` puts a measured network in (``Selector.default`` does so when the ranks span hosts).
@@ -126,10 +125,13 @@ class CostModel:
     alpha_exchange: float | None = 1.5e-6
     exchange_upto: int = 4 << 10
     # The same for floats (float16/bfloat16 on their float32 work array), which the exchange reduces with mpcomm's
-    # own ops where integers take the library's (None: ``exchange_upto``): on MPICH the exchange took a median
-    # 0.90-0.94x native's time for floats of 8-16 KiB on the wire, 1.03-1.07x at 32 KiB, integers 1.2-2x from
-    # 8 KiB (dtype_op.md, "Stop 61").
-    exchange_floats_upto: int | None = 16 << 10
+    # own ops where integers take the library's (None: ``exchange_upto``), and for their min/max up to that many
+    # bytes of the buffer: in three runs of calls one at a time on either library (p = 2) the exchange took
+    # 0.7-0.99x native's time for float sums to 32 KiB on the wire; for min/max 0.77-0.98x to 16 KiB (MPICH's
+    # float32/64 0.96-1.07 at 16 KiB), float32/64's 1.01-1.17x at 32 KiB, 16-bit buffers' 0.91-0.98x at 16 KiB
+    # (32 KiB on the wire); MPICH's integers 1.2-2x from 8 KiB (dtype_op.md, "Stop 61", "Stop 63").
+    exchange_floats_upto: int | None = 32 << 10
+    exchange_min_max_upto: int = 16 << 10
     alpha_segment: float = 10e-6
     alpha_net: float = 2e-6
     beta: float = 1 / 5e9
@@ -268,8 +270,10 @@ class CostModel:
         return gather + (p - 1) * step
 
     def direct(self, n: float, p: int, crosses: bool, alpha: float) -> float:
-        """Direct reduce-scatter (this rank's segment's p - 1 parts in one exchange, then reduced) and the ring's
-        all-gather: the ring's bytes and reductions in p steps, not 2(p - 1). Across nodes, priced as the ring."""
+        """Direct reduce-scatter (this rank's segment's p - 1 parts in one exchange, then reduced) and all-gather
+        (its segment to the p - 1 others at once): the ring's bytes and reductions, its latency p steps', not
+        2(p - 1) (priced as two steps, the model gave p = 4 on 2 cores direct's float all-reduces of 256 KiB, which
+        native took in 0.7-0.9x its time: bench/results/dtype_op.md, "Stop 63"). Across nodes, priced as the ring."""
         if crosses:
             return self.ring(n, p, crosses, alpha)
         chunk = n / p
@@ -425,17 +429,22 @@ class CostModel:
     def _exchange(self, nbytes: int, layout: Layout, dtype: np.dtype, op: str | None) -> float | None:
         """Seconds of rhd's all-reduce of two ranks of up to ``EXCHANGE_UPTO`` bytes on the wire, one exchange: in
         one C call where native's one C call would take (the wire's dtype, ``op``) (float min/max: where it reduces
-        them with mpcomm's own ops, on one node), up to ``exchange_upto`` (floats: ``exchange_floats_upto``; above
-        it None: priced as rhd's steps, as it measured); else Python's one step. Either with its passes (a 16-bit
-        buffer's widening). None where rhd is not that exchange."""
+        them with mpcomm's own ops, on one node), up to ``exchange_upto`` (floats: ``exchange_floats_upto``, their
+        min/max ``exchange_min_max_upto``; above it None: priced as rhd's steps, as it measured); else Python's one
+        step. Either with its passes (a 16-bit buffer's widening). None where rhd is not that exchange."""
         wire = self.wire_bytes("rhd", nbytes, dtype, op)
         if layout.size != 2 or not 0 < wire <= EXCHANGE_UPTO or op is None:
             return None
         passes, wired = self.passes("allreduce", "rhd", nbytes, layout, dtype, op), wire_dtype(dtype)
         if one_call_takes(wired, op, layout.num_nodes == 1 and self.native_min_max_op):
             floats, alpha = self.exchange_floats_upto, self.alpha_exchange
-            upto = floats if floats is not None and wired.kind == "f" else self.exchange_upto
-            return None if alpha is None or wire > upto else self.exchange(wire, layout, alpha) + passes
+            if floats is None or wired.kind != "f":
+                within = wire <= self.exchange_upto
+            elif op in (MIN, MAX):
+                within = nbytes <= self.exchange_min_max_upto  # (the buffer's bytes, not its float32 wire's)
+            else:
+                within = wire <= floats
+            return self.exchange(wire, layout, alpha) + passes if alpha is not None and within else None
         return self.exchange(wire, layout, self.alpha_py) + passes
 
     def compressed_allreduce(self, wire: str, nbytes: float, layout: Layout) -> float:

@@ -1,11 +1,13 @@
-"""Direct reduce-scatter, then a ring all-gather: every rank receives the other ranks' parts of its segment at
-once and reduces all p of them in one pass.
+"""Direct reduce-scatter, then a direct all-gather: every rank receives the other ranks' parts of its segment at
+once and reduces all p of them in one pass, then sends its reduced segment to every other rank at once.
 
-The bytes are the ring's (each rank sends and receives 2(p-1)/p of the vector), in one exchange plus p-1 ring
-steps. What it is for is that one pass: a segment's p contributions meet on one rank, so float16 and bfloat16
-travel as they are (half the bytes of the float32 the other algorithms widen them to) and are added in float32
-and rounded once (``mpcomm.kernels``). Each segment is reduced on one rank, in a fixed order (its own part first,
-then the others' in rank order), and copied to the rest, so the result is bitwise identical everywhere.
+The bytes are the ring's (each rank sends and receives 2(p-1)/p of the vector), in two exchanges where the ring
+takes 2(p - 1) steps. Across nodes the all-gather is the ring's: its p - 1 steps carry (p - 1)/p of the vector
+over a node's link, the direct one q(p - q)/p with q ranks on a node. What it is for is the one pass: a segment's
+p contributions meet on one rank, so float16 and bfloat16 travel as they are (half the bytes of the float32 the
+other algorithms widen them to) and are added in float32 and rounded once (``mpcomm.kernels``). Each segment is
+reduced on one rank, in a fixed order (its own part first, then the others' in rank order), and copied to the
+rest, so the result is bitwise identical everywhere.
 """
 from __future__ import annotations
 
@@ -57,7 +59,10 @@ def allreduce(t: Transport, buf, op: ReduceOp) -> None:
     bounds = chunk_bounds(buf.size, t.size)
     mine = buf[slice(*bounds[t.rank])]
     reduce_chunks(exchange_segments(t, buf, bounds), mine, op)
-    all_gather_chunks(t, buf, bounds)
+    if t.spans_nodes:
+        all_gather_chunks(t, buf, bounds)
+    else:
+        t.wait(*post_all_gather(t, buf, bounds))
 
 
 def reduce_scatter(t: Transport, sendbuf, recvbuf, op: ReduceOp) -> None:
