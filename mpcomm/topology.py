@@ -135,7 +135,7 @@ def _bandwidth(t: Transport, partner: int, latency: float) -> tuple[float, int]:
 @dataclass(frozen=True)
 class Topology:
     """Where a rank sits: its place in its node, every node's size (in node-leader rank order), and the largest
-    ratio over the hosts of ranks to the CPUs they may run on (above 1 the ranks share cores)."""
+    ratio over the machines of ranks to the CPUs they may run on (above 1 the ranks share cores)."""
 
     node_rank: int
     node_size: int
@@ -144,24 +144,34 @@ class Topology:
 
 
 def node_topology(t: Transport, ranks_per_node: int | None) -> Topology:
-    """The topology of ``t``'s communicator (collective). The splits block (MPI has no non-blocking split), so
-    call it once every rank is known to be here; the exchange after them waits with ``t``'s deadline."""
+    """The topology of ``t``'s communicator (collective). The split blocks (MPI has no non-blocking split), so
+    call it once every rank is known to be here; the exchange after it waits with ``t``'s deadline."""
     node = split_node(t.mpi, ranks_per_node)
-    host = t.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=t.rank) if ranks_per_node else node
     try:
-        host_group, group = host.Get_group(), t.mpi.Get_group()
-        host_leader = MPI.Group.Translate_ranks(host_group, [0], group)[0]
-        host_group.Free()
-        group.Free()
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        mine = (node.Get_rank(), node.Get_size(), host_leader, cpus)
+        mine = (node.Get_rank(), node.Get_size(), kernel_key(), cpus)
     finally:
-        if host is not node:
-            host.Free()
         node.Free()
     everyone = t.allgather_object(mine)
-    hosts: dict[int, list] = {}
-    for _, _, leader, allowed in everyone:
-        hosts.setdefault(leader, []).append(set(allowed))
-    ratio = max(len(sets) / max(1, len(set().union(*sets))) for sets in hosts.values())
-    return Topology(mine[0], mine[1], tuple(size for rank, size, _, _ in everyone if rank == 0), float(ratio))
+    ratio = ranks_per_core([(kernel, cpus) for _, _, kernel, cpus in everyone])
+    return Topology(mine[0], mine[1], tuple(size for rank, size, _, _ in everyone if rank == 0), ratio)
+
+
+def ranks_per_core(ranks: list[tuple[str, list[int]]]) -> float:
+    """The largest ratio over the machines of their ranks to the CPUs those may run on, from every rank's (machine,
+    allowed CPUs)."""
+    machines: dict[str, list[set]] = {}
+    for machine, allowed in ranks:
+        machines.setdefault(machine, []).append(set(allowed))
+    return float(max(len(sets) / max(1, len(set().union(*sets))) for sets in machines.values()))
+
+
+def kernel_key() -> str:
+    """The machine this process runs on, as the CPUs go: its kernel's boot id, which network namespaces and
+    containers on one machine share (ci/cluster.sh's nodes: four ranks on two cores are two to a core however many
+    nodes they make), else its processor name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return MPI.Get_processor_name()

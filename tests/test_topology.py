@@ -15,13 +15,22 @@ from conftest import WORLD, assert_identical_across_ranks, without_rank
 from mpcomm import Communicator
 from mpcomm.algorithms import ALLREDUCE
 from mpcomm.algorithms.auto import STEADY, STEADY_MARGIN, CostModel, Layout, Selector
-from mpcomm.topology import NetworkMeasurement, measure
+from mpcomm.topology import NetworkMeasurement, measure, ranks_per_core
 
 P = WORLD.Get_size()
 GIGABIT = NetworkMeasurement(latency=20e-6, seconds_per_byte=8 / 0.95e9, probe_bytes=1 << 20, seconds=0.01)
 
 
 # ------------------------------------------------------------------------------------------ model (serial)
+def test_ranks_per_core_is_the_most_crowded_machines():
+    """Ranks are counted per machine (however many nodes they make there) over the union of the CPUs they may run
+    on; the most crowded machine decides."""
+    assert ranks_per_core([("a", [0, 1]), ("a", [0, 1]), ("b", [0, 1]), ("b", [0, 1])]) == 1.0
+    assert ranks_per_core([("a", [0, 1])] * 4) == 2.0  # (two nodes of two on one machine of two cores)
+    assert ranks_per_core([("a", [0]), ("a", [1]), ("a", [1]), ("b", [0, 1, 2, 3])]) == 1.5
+    assert ranks_per_core([("a", [0]), ("a", [1]), ("b", [5])]) == 1.0
+
+
 def test_with_network_sets_the_network_terms_only():
     model = CostModel().with_network(GIGABIT)
     assert (model.alpha_net, model.beta_net) == (GIGABIT.latency, GIGABIT.seconds_per_byte)

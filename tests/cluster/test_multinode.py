@@ -56,6 +56,17 @@ def test_node_detection(comm):
     assert comm.selector.layout.node_sizes == (RANKS_PER_NODE,) * NUM_NODES
 
 
+def test_nodes_on_one_machine_share_its_cores(comm):
+    """The simulated nodes run on this one machine's CPUs: its ranks over the CPUs they may run on (an all-gather of
+    their affinities), not one node's, and the transports wait as ranks sharing cores do."""
+    import os
+
+    cpus = set().union(*WORLD.allgather(os.sched_getaffinity(0)))
+    assert comm.ranks_per_core == P / len(cpus)
+    assert comm.selector.layout.ranks_per_core == max(1.0, P / len(cpus))
+    assert comm._sync.cores_shared == (P > len(cpus))
+
+
 def test_network_is_measured_and_agreed(comm, monkeypatch):
     """Spanning nodes, the selector measured the network; every rank holds the same numbers (so the same
     choices). MPCOMM_NETWORK_PROBE=0 skips the measurement."""
