@@ -30,6 +30,7 @@ class DeviceTransport:
     others = property(lambda self: self.inner.others)
     timeout = property(lambda self: self.inner.timeout)
     nodes_are_uniform = property(lambda self: self.inner.nodes_are_uniform)
+    spans_nodes = property(lambda self: self.inner.spans_nodes)
 
     @property
     def operation(self) -> str:
